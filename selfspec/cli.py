@@ -1,0 +1,40 @@
+"""The ``selfspec`` command. Each subcommand lives in ``selfspec/commands/<name>.py`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed args)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order of ``selfspec --help``. A module that is missing is simply not offered.
+COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description="Self-speculative decoding for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"selfspec.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"selfspec.commands.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        # User errors: one clear line, no traceback.
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"selfspec {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
