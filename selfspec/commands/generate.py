@@ -1,0 +1,84 @@
+"""``selfspec generate``: answer prompts with any registered drafter, streaming text or printing JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``["tree_size=16", "threshold=0.5"]`` -> ``{"tree_size": 16, "threshold": 0.5}`` (values parsed as YAML)."""
+    import yaml
+
+    options = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--draft-option expects key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        options[key.strip()] = yaml.safe_load(value)
+    return options
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from decoding import available_drafters
+
+    p = sub.add_parser("generate", help="generate text with speculative decoding",
+                       description="Generate with the base model verifying drafts from its own heads or layers.")
+    p.add_argument("--model", default=None, help="model alias, hub id or local path (default: the embedded model)")
+    p.add_argument("--draft", default="none", choices=available_drafters(), help="drafter (default: none)")
+    p.add_argument("--heads", default=None, help="directory of trained heads / classifier / layer-skip config")
+    p.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra drafter option, repeatable (e.g. tree_size=16)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="one prompt (user turn; the chat template is applied)")
+    src.add_argument("--prompts", default=None, help="JSONL file in Spec-Bench format (first turn of 'turns')")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of --prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--acceptance", default="auto", choices=["auto", "greedy", "speculative", "typical"],
+                   help="typical is Medusa's typical acceptance: faster at high temperature, NOT lossless")
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from decoding import generate, make_drafter
+    from selfspec.models import DEFAULT_MODEL, load_model
+    from selfspec.prompts import encode_prompt, read_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.prompt is not None:
+        prompts = [{"id": 0, "category": None, "prompt": args.prompt}]
+    elif args.prompts is not None:
+        prompts = read_prompts(args.prompts, args.limit)
+    else:
+        raise ValueError("give --prompt TEXT or --prompts FILE.jsonl")
+    model, tokenizer = load_model(args.model or DEFAULT_MODEL)
+    drafter = make_drafter(args.draft, model, args.heads, **parse_options(args.draft_option))
+    for item in prompts:
+        input_ids = encode_prompt(tokenizer, item["prompt"], chat=not args.no_chat)
+        streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = generate(model, drafter, input_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, acceptance=args.acceptance,
+                       eos_token_id=tokenizer.eos_token_id, streamer=streamer)
+        new = out.sequences[0, input_ids.shape[1]:].tolist()
+        if args.json:
+            record = {"id": item["id"], "prompt": item["prompt"], "token_ids": new,
+                      "text": tokenizer.decode(new, skip_special_tokens=True), "stats": out.stats.to_dict()}
+            print(json.dumps(record), flush=True)
+        else:
+            s = out.stats
+            print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau {s.tau:.2f}, {s.steps} steps]",
+                  file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from decoding import DraftTree, TreeTemplate
+from decoding.generate import prune_to_depth
+
+
+def test_chain_structure():
+    tree = DraftTree.chain([5, 6, 7])
+    assert tree.parents.tolist() == [-1, 0, 1]
+    assert tree.depth.tolist() == [1, 2, 3]
+    assert tree.paths == [[0, 1, 2]]
+    assert tree.ancestor_mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
+
+
+def test_branching_tree_derivations():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \     |
+    #    2   3    4
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 1]))
+    assert tree.depth.tolist() == [1, 1, 2, 2, 2]
+    assert tree.children == [[0, 1], [2, 3], [4], [], [], []]
+    assert sorted(tree.paths) == [[0, 2], [0, 3], [1, 4]]
+    mask = tree.ancestor_mask
+    assert mask[3].tolist() == [True, True, False, True, False, False]  # node 2 sees root, node 0, itself
+    assert mask[5].tolist() == [True, False, True, False, False, True]  # node 4 sees root, node 1, itself
+    assert not mask[2, 1]  # siblings never see each other
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, 2, 0], [-2]])
+def test_invalid_parents_rejected(parents):
+    with pytest.raises(ValueError, match="parent"):
+        DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents))
+
+
+def test_shape_mismatch_rejected():
+    with pytest.raises(ValueError, match="tokens but"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([-1]))
+
+
+def test_template_from_choices():
+    template = TreeTemplate([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    assert len(template) == 6
+    candidates = torch.tensor([[10, 11], [20, 21], [30, 31]])  # [depth, rank]
+    tree = template.fill(candidates)
+    by_choice = dict(zip(map(tuple, template.choices), tree.tokens.tolist()))
+    assert by_choice == {(0,): 10, (1,): 11, (0, 0): 20, (0, 1): 21, (1, 0): 20, (0, 0, 0): 30}
+    parents = dict(zip(map(tuple, template.choices), tree.parents.tolist()))
+    index = {tuple(c): i for i, c in enumerate(template.choices)}
+    assert parents[(0, 0, 0)] == index[(0, 0)] and parents[(1, 0)] == index[(1,)] and parents[(0,)] == -1
+
+
+def test_template_rejects_missing_prefix_and_small_candidates():
+    with pytest.raises(ValueError, match="prefix"):
+        TreeTemplate([[0], [0, 1, 0]])
+    with pytest.raises(ValueError, match="candidates"):
+        TreeTemplate([[0], [0, 0]]).fill(torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_prune_to_depth_keeps_a_valid_subtree():
+    tree = DraftTree(torch.arange(6), torch.tensor([-1, 0, -1, 1, 2, 4]))
+    pruned = prune_to_depth(tree, 2)
+    assert pruned.tokens.tolist() == [0, 1, 2, 4]
+    assert pruned.parents.tolist() == [-1, 0, -1, 2]
+    assert prune_to_depth(tree, 10) is tree
+    assert len(prune_to_depth(tree, 0)) == 0
