@@ -151,6 +151,7 @@ def generate(
     generator: torch.Generator | None = None,
     seed: int | None = None,
     acceptance: str = "auto",
+    generation_config=None,
 ) -> GenerateOutput:
     """Generate with tree speculative decoding; greedy output equals ``model.generate(do_sample=False)``.
 
@@ -164,11 +165,19 @@ def generate(
         streamer: a transformers streamer (``TextStreamer``...): receives the prompt, then each step's new tokens.
         acceptance: ``"auto"`` (greedy, or speculative sampling when temperature > 0), ``"greedy"``,
             ``"speculative"`` or ``"typical"`` (Medusa's typical acceptance: faster, NOT lossless).
+        generation_config: a transformers ``GenerationConfig``; when given, its ``max_new_tokens``, ``do_sample``,
+            ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id`` replace the keyword arguments.
 
     Raises:
         ValueError: batch size > 1, max_new_tokens < 1, prompt + max_new_tokens beyond the context, a drafter whose
             vocabulary differs from the model's, an unknown acceptance rule.
     """
+    if generation_config is not None:
+        gc = generation_config
+        max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else max_new_tokens
+        temperature = (gc.temperature if gc.temperature is not None else 1.0) if gc.do_sample else 0.0
+        top_k, top_p = (gc.top_k, gc.top_p) if gc.do_sample else (None, None)
+        eos_token_id = gc.eos_token_id if gc.eos_token_id is not None else eos_token_id
     drafter = drafter if drafter is not None else EmptyDrafter()
     _check_inputs(model, drafter, input_ids, max_new_tokens)
     sampling = SamplingParams(temperature=float(temperature or 0.0), top_k=top_k, top_p=top_p)

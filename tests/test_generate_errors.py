@@ -83,3 +83,17 @@ def test_seeded_sampling_is_deterministic(model):
     runs = [generate(model, None, torch.tensor([[1, 2, 3]]), max_new_tokens=12, temperature=1.0, seed=7).sequences
             for _ in range(2)]
     assert torch.equal(*runs)
+
+
+def test_generation_config_is_honoured(model):
+    from transformers import GenerationConfig
+
+    prompt = torch.tensor([[1, 2, 3]])
+    config = GenerationConfig(max_new_tokens=7, do_sample=False)
+    out = generate(model, None, prompt, generation_config=config)
+    reference = model.generate(prompt, generation_config=config, pad_token_id=0)
+    assert out.sequences.tolist() == reference.tolist()
+    sampled = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.9, top_k=10, top_p=0.9)
+    a = generate(model, None, prompt, generation_config=sampled, seed=3).sequences
+    b = generate(model, None, prompt, max_new_tokens=5, temperature=0.9, top_k=10, top_p=0.9, seed=3).sequences
+    assert torch.equal(a, b)

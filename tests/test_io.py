@@ -1,0 +1,151 @@
+"""selfspec.io: atomic files and directories, including a writer killed with SIGKILL half-way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from selfspec.io import (MARKER, atomic_directory, atomic_write_bytes, atomic_write_text, file_lock, is_complete,
+                         remove_stale_temporaries)
+
+
+def _siblings(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+
+
+def test_atomic_directory_writes_marker_and_lists_files(tmp_path):
+    final = tmp_path / "heads"
+    with atomic_directory(final) as tmp:
+        assert tmp.parent == final.parent and tmp != final
+        (tmp / "a.txt").write_text("hello")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.bin").write_bytes(b"\0" * 10)
+        assert not final.exists()  # nothing visible before the block ends
+    assert (final / "a.txt").read_text() == "hello"
+    assert is_complete(final) and is_complete(final, check_sizes=True)
+    assert (final / MARKER).is_file()
+    assert _siblings(final) == []  # no temporaries left behind
+
+
+def test_atomic_directory_replaces_old_version(tmp_path):
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "v").write_text("1")
+    with atomic_directory(final) as tmp:
+        (tmp / "v").write_text("2")
+    assert (final / "v").read_text() == "2" and is_complete(final)
+    assert _siblings(final) == []
+
+
+def test_exception_keeps_old_directory_and_removes_temporary(tmp_path):
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "v").write_text("old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_directory(final) as tmp:
+            (tmp / "v").write_text("new, half written")
+            raise RuntimeError("boom")
+    assert (final / "v").read_text() == "old" and is_complete(final)
+    assert _siblings(final) == []
+
+
+def test_exception_on_first_write_leaves_nothing(tmp_path):
+    final = tmp_path / "d"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_directory(final) as tmp:
+            (tmp / "v").write_text("x")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_mid_write_leaves_no_complete_directory_and_next_write_cleans_up(tmp_path):
+    final = tmp_path / "d"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from selfspec.io import atomic_directory
+        with atomic_directory({str(final)!r}) as tmp:
+            (tmp / "weights.bin").write_bytes(b"x" * 1000)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert result.returncode == -signal.SIGKILL
+    assert not final.exists()
+    [leftover] = [p for p in tmp_path.iterdir()]
+    assert leftover.name.startswith(".d.tmp-") and not is_complete(leftover)
+    with atomic_directory(final) as tmp:  # the dead writer's temporary is removed by the next writer
+        (tmp / "weights.bin").write_bytes(b"y")
+    assert [p.name for p in tmp_path.iterdir()] == ["d"] and is_complete(final)
+
+
+def test_killed_between_renames_restores_previous_version(tmp_path):
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "v").write_text("old")
+    # What a writer killed after moving the old copy aside (and before moving its own in) leaves behind.
+    dead_pid = _dead_pid()
+    moved = tmp_path / f".d.old-{socket.gethostname()}-{dead_pid}-abcd1234"
+    os.replace(final, moved)
+    remove_stale_temporaries(final)
+    assert (final / "v").read_text() == "old" and is_complete(final)
+
+
+def test_is_complete_rejects_missing_marker_truncation_and_garbage(tmp_path):
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "w").write_bytes(b"1234")
+    (final / "w").write_bytes(b"12")
+    assert is_complete(final) and not is_complete(final, check_sizes=True)
+    (final / MARKER).write_text("not json")
+    assert not is_complete(final)
+    (final / MARKER).unlink()
+    assert not is_complete(final)
+    assert not is_complete(tmp_path / "missing")
+
+
+def test_atomic_write_text_and_bytes(tmp_path):
+    path = tmp_path / "f.json"
+    atomic_write_text(path, "one")
+    atomic_write_bytes(path, b"two")
+    assert path.read_bytes() == b"two"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    atomic_write_text(path, "old")
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(path, "new")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_file_lock_excludes_a_second_process(tmp_path):
+    lock = tmp_path / "x.lock"
+    probe = textwrap.dedent(f"""
+        import fcntl, sys
+        with open({str(lock)!r}, "a") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                sys.exit(3)
+    """)
+    with file_lock(lock):
+        assert subprocess.run([sys.executable, "-c", probe]).returncode == 3
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
