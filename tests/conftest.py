@@ -34,25 +34,3 @@ def smollm2():
 
     model, tokenizer = load_model("smollm2-135m-instruct", dtype=torch.float32)
     return model.eval(), tokenizer
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Make ``--dist loadgroup`` work again under pytest >= 9.
-
-    pytest-xdist (3.8) groups tests by appending ``@group`` to ``item._nodeid`` on each worker, but pytest 9 builds
-    ``nodeid`` from ``item._id``, so the suffix is silently lost and grouped tests spread over both workers (each
-    then loads its own copy of the real model). This redoes xdist's renaming on the attribute pytest now reads;
-    it does nothing outside a loadgroup worker, on a pytest without ``_id``, or where xdist's own renaming worked.
-    """
-    if not getattr(config.option, "loadgroup", False):
-        return
-    try:
-        from _pytest.nodeid import coerce_node_id
-    except ImportError:  # older pytest: xdist's own renaming works there
-        return
-    for item in items:
-        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-                         for mark in item.iter_markers("xdist_group")})
-        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
-            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
