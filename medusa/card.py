@@ -1,0 +1,68 @@
+"""The README written beside saved Medusa heads: what they are for, how they were made, and how good they are."""
+
+from __future__ import annotations
+
+import json
+
+from .config import MedusaConfig
+
+
+def _accuracy_table(head_accuracy: list[list[float]]) -> list[str]:
+    lines = ["| head | predicts | top-1 | top-5 (cumulative) |", "|---|---|---|---|"]
+    for k, row in enumerate(head_accuracy):
+        lines.append(f"| {k} | t+{k + 2} | {row[0]:.3f} | {sum(row[:5]):.3f} |" if row else f"| {k} | t+{k + 2} | | |")
+    return lines
+
+
+def _compact(value) -> str:
+    """One-line JSON with floats rounded, for metric lists such as per-head accuracies."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_compact(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def render_readme(config: MedusaConfig) -> str:
+    """Markdown model card for ``config``: base model, shape, the exact command, recipe, metrics, head accuracies."""
+    base = config.base_model or {}
+    training = dict(config.training or {})
+    command = training.pop("command", None)
+    metrics = training.pop("metrics", None)
+    name = base.get("name") or base.get("name_or_path") or "an unnamed base model"
+    lines = [
+        f"# Medusa heads for {name}",
+        "",
+        f"{config.num_heads} heads x {config.num_layers} ResBlock(s), "
+        f"{'sharing the base model LM head (not stored here)' if config.share_lm_head else 'each with its own LM head'}; "
+        f"hidden size {config.hidden_size}, vocabulary {config.vocab_size}. "
+        "Head k drafts the token k + 2 positions after its input hidden state.",
+        "",
+        "```python",
+        "import medusa, decoding",
+        "drafter = medusa.load(model, HEADS_DIR)  # refuses heads made for another base model",
+        "out = decoding.generate(model, drafter, input_ids, max_new_tokens=256)",
+        "```",
+        "",
+    ]
+    if command:
+        lines += ["## Made with", "", "```sh", str(command), "```", ""]
+    if base:
+        # weight_sample only serves the dtype-tolerant identity check; it is noise to a reader.
+        shown = {key: value for key, value in base.items() if key != "weight_sample"}
+        lines += ["## Base model", ""] + [f"- {key}: `{value}`" for key, value in shown.items()] + [""]
+    if training:
+        lines += ["## Recipe", ""]
+        flat = {key: value for key, value in training.items() if not isinstance(value, dict)}
+        lines += [f"- {key}: `{json.dumps(value)}`" for key, value in sorted(flat.items())]
+        for key, value in sorted(training.items()):
+            if isinstance(value, dict):
+                lines += ["", f"{key}:", "", "```json", json.dumps(value, indent=2), "```"]
+        lines.append("")
+    if metrics:
+        lines += ["## Metrics", ""] + [f"- {key}: `{_compact(value)}`" for key, value in metrics.items()] + [""]
+    if config.head_accuracy:
+        lines += ["## Head accuracy (held-out)", ""] + _accuracy_table(config.head_accuracy) + [""]
+    if config.tree:
+        lines += [f"Default draft tree: {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""``MedusaConfig``: the shape of a set of Medusa heads, the base model they belong to, and what training measured.
+
+It is saved as ``config.json`` beside the head weights, so a heads directory is self-describing: it can be
+rebuilt, checked against a base model, and its default tree recalibrated without the training run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class MedusaConfig:
+    """Configuration of a set of Medusa heads.
+
+    Attributes:
+        num_heads: number of heads; head ``k`` (0-based) predicts the token ``k + 2`` positions after its input
+            hidden state, i.e. ``k + 1`` steps beyond the base model's own next token.
+        num_layers: ResBlocks per head.
+        share_lm_head: heads reuse the base model's LM head (not saved with the heads). ``False`` gives every head
+            a private copy, which is trained and saved (vocab x hidden parameters per head).
+        hidden_size: the base model's hidden size (input and output width of every ResBlock).
+        vocab_size: rows of the base model's LM head.
+        base_model: identity of the base model the heads were trained on (``selfspec.identity``).
+        tree: default draft tree in Medusa's choices format (``[[0], [0, 0], [1], ...]``), or ``None``.
+        head_accuracy: ``[num_heads][top_k]``: P(the rank-``r`` candidate of head ``k`` is the target token), measured
+            on held-out data. Not cumulative: the top-5 accuracy of head ``k`` is ``sum(head_accuracy[k][:5])``.
+        training: recipe and metrics of the run that made the heads (written into the heads' README).
+
+    Raises:
+        ValueError: ``num_heads`` or ``num_layers`` below 1, a negative size, or ``head_accuracy`` / ``tree`` that
+            do not fit ``num_heads``.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    base_model: dict[str, Any] = field(default_factory=dict)
+    tree: list[list[int]] | None = None
+    head_accuracy: list[list[float]] | None = None
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MedusaConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("hidden_size", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer or None, got {value!r}")
+        if self.head_accuracy is not None:
+            self.head_accuracy = [[float(p) for p in row] for row in self.head_accuracy]
+            if len(self.head_accuracy) != self.num_heads:
+                raise ValueError(
+                    f"MedusaConfig.head_accuracy has {len(self.head_accuracy)} rows for {self.num_heads} heads"
+                )
+            if any(not 0.0 <= p <= 1.0 for row in self.head_accuracy for p in row):
+                raise ValueError("MedusaConfig.head_accuracy holds probabilities; every value must be in [0, 1]")
+        if self.tree is not None:
+            self.tree = [[int(r) for r in path] for path in self.tree]
+            too_deep = [path for path in self.tree if len(path) > self.num_heads]
+            if too_deep:
+                raise ValueError(
+                    f"MedusaConfig.tree path {too_deep[0]} is {len(too_deep[0])} deep, but there are only "
+                    f"{self.num_heads} heads (one per depth)"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MedusaConfig:
+        """Build a config from a dict (e.g. a parsed ``config.json``).
+
+        Raises:
+            ValueError: a key that is not a ``MedusaConfig`` field (the message lists the known ones), or an
+                invalid value.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown MedusaConfig key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``config.json`` into ``directory`` (which must exist); returns the file's path."""
+        path = Path(directory) / CONFIG_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> MedusaConfig:
+        """Read a config from a heads directory or a ``config.json`` file.
+
+        Raises:
+            FileNotFoundError: no such directory or file (the message names the path).
+            ValueError: the file is not valid JSON or holds an invalid config.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"Medusa config {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,129 @@
+"""``MedusaDrafter``: every head's top-k from the hidden state the last verification produced, in a static tree
+(or, with ``dynamic``, in the part of it the heads are most confident of at this step).
+
+Drafting costs no base forward: the decode loop already has the final hidden state that predicted the root. Per
+step the work is one batched ResBlock matmul per layer, ONE LM-head matmul for all heads, one top-k, and one
+gather into the tree template; nothing loops over tree nodes in Python.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+from torch import nn
+
+from decoding.drafter import DecodeState, DrafterBase, register_drafter
+from decoding.tree import DraftTree, TreeTemplate
+
+from .dynamic import DynamicTreeSelector
+from .heads import MedusaHeads
+from .trees import DEFAULT_TREE_SIZE, default_tree
+
+#: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
+#: a size, a JSON list of choices, or the path of a JSON file with one.
+TreeSpec = Union[TreeTemplate, Sequence[Sequence[int]], int, str, None]
+
+
+def resolve_tree(tree: TreeSpec, heads: MedusaHeads) -> TreeTemplate:
+    """The tree template ``tree`` names for ``heads``; ``None`` is the heads' saved tree, else ``default_tree``.
+
+    Raises:
+        ValueError: invalid choices, a tree deeper than there are heads, or a string that is none of the above
+            (a string that names no file is parsed as JSON).
+    """
+    config = heads.config
+    if isinstance(tree, str):
+        text = tree.strip()
+        if text.isdigit():
+            tree = int(text)
+        else:
+            if Path(text).is_file():
+                text = Path(text).read_text()
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"tree {tree!r} is not a size, a JSON list of choices, or a JSON file") from None
+            # A heads config.json (or any object with a "tree" / "choices" list) names its tree too.
+            if isinstance(parsed, dict):
+                parsed = parsed.get("tree", parsed.get("choices"))
+            if not isinstance(parsed, list):
+                raise ValueError(f"tree {tree!r} holds no list of choices")
+            tree = parsed
+    if tree is None:
+        tree = config.tree or DEFAULT_TREE_SIZE
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        tree = default_tree(config.head_accuracy, tree, num_heads=config.num_heads)
+    template = tree if isinstance(tree, TreeTemplate) else TreeTemplate(tree)
+    if template.max_depth > config.num_heads:
+        raise ValueError(f"tree is {template.max_depth} deep but there are only {config.num_heads} Medusa heads")
+    if template.max_rank > config.vocab_size:
+        raise ValueError(f"tree uses rank {template.max_rank - 1}, beyond the vocabulary of {config.vocab_size}")
+    return template
+
+
+class MedusaDrafter(DrafterBase):
+    """Drafts a tree from Medusa heads: depth ``d`` holds head ``d - 1``'s top-k tokens.
+
+    Args:
+        heads: the heads (on the base model's device; they share its LM head).
+        tree: see ``TreeSpec``; default: the heads' saved tree, else a ``DEFAULT_TREE_SIZE``-node tree grown
+            from their measured accuracies.
+        dynamic: if set, ``tree`` is a pool and every step keeps only the ``dynamic`` nodes whose paths the heads
+            are most confident of at that step (``DynamicTreeSelector``). ``None``: the static tree as it is.
+
+    Raises:
+        ValueError: the tree does not fit the heads, or ``dynamic`` is not between 1 and the tree's size.
+    """
+
+    hidden_layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None):
+        self.heads = heads.eval()
+        self.template = resolve_tree(tree, heads)
+        self.selector = None if dynamic is None else DynamicTreeSelector(self.template, int(dynamic))
+        self._depth = self.template.max_depth
+        self._ranks = self.template.max_rank
+
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        hidden = state.hidden.get(-1)
+        if hidden is None:
+            raise RuntimeError("MedusaDrafter needs the last hidden state (hidden_layers=(-1,)) in DecodeState.hidden")
+        if self._depth == 0:
+            return None
+        with torch.no_grad():
+            logits = self.heads(hidden[:, -1:], num_heads=self._depth).reshape(self._depth, -1)  # [depth, vocab]
+            if self.selector is None:
+                return self.template.fill(logits.topk(self._ranks, dim=-1).indices)  # [depth, ranks]
+            top = logits.log_softmax(dim=-1).topk(self._ranks, dim=-1)
+            return self.selector.select(top.indices, top.values)
+
+
+def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,
+         dtype: torch.dtype | None = None) -> MedusaDrafter:
+    """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
+
+    Raises:
+        FileNotFoundError: the heads directory or one of its files is missing.
+        selfspec.identity.BaseModelMismatchError: the heads were trained for another base model.
+        ValueError: an invalid heads directory or tree.
+    """
+    heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype)
+    return MedusaDrafter(heads, tree=tree, dynamic=dynamic)
+
+
+@register_drafter("medusa")
+def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, **options) -> MedusaDrafter:
+    """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic``).
+
+    Raises:
+        ValueError: no heads directory, or an unknown option.
+    """
+    if heads_dir is None:
+        raise ValueError("the medusa drafter needs a heads directory (--heads DIR)")
+    unknown = sorted(set(options) - {"tree", "dynamic"})
+    if unknown:
+        raise ValueError(f"unknown medusa drafter option(s) {unknown}; known: ['dynamic', 'tree']")
+    return load(model, heads_dir, **options)

@@ -1,0 +1,104 @@
+"""``selfspec demo``: answer a sample prompt with and without Medusa heads; print tokens/s, tau, and whether the
+two answers are identical (greedy decoding is lossless, so they must be)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+#: Where the committed heads for the embedded default model live, relative to the repository root.
+DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SAMPLE_PROMPT = "Explain in a few sentences why the sky is blue."
+#: New tokens of the untimed warm-up run of each method (first calls pay for lazy init and allocator growth).
+WARMUP_TOKENS = 8
+
+
+def default_heads_dir() -> Path:
+    """``heads/smollm2-135m-instruct-medusa`` in the working directory, else in the repository of this package."""
+    here = DEFAULT_HEADS
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[2] / DEFAULT_HEADS
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="answer a prompt with and without Medusa heads, compare speed and text",
+                              description=__doc__)
+    p.add_argument("--heads", help=f"Medusa heads directory (default: the committed {DEFAULT_HEADS})")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias, hub id or path of the base model (default {DEFAULT_MODEL}); tiny:ARCH for a test model")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="the user turn to answer (chat template applied)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", help="draft tree: a size (8, 16, 32...), a JSON list of choices, or a JSON file "
+                                  "(default: the tree saved with the heads)")
+    p.add_argument("--dynamic", type=int, help="keep only the N most confident nodes of the tree at every step")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.set_defaults(func=run)
+
+
+def _baseline(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> tuple[torch.Tensor, float]:
+    """HF greedy ``generate``: the reference text and the speed to beat. Returns ``(sequences, seconds)``."""
+    start = time.perf_counter()
+    sequences = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                               max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                               pad_token_id=eos_token_id if eos_token_id is not None else 0,
+                               temperature=None, top_p=None, top_k=None)
+    return sequences, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; the exit status is 1 when the two answers differ.
+
+    Raises:
+        FileNotFoundError: no heads directory (the message says how to train one).
+        ValueError: heads for another base model, a bad tree, a bad ``--max-new-tokens``.
+    """
+    import decoding
+    import medusa
+    from selfspec.prompts import encode_prompt
+    from selfspec.training import load_base_model
+
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+    torch.set_num_threads(args.threads)
+    heads_dir = Path(args.heads) if args.heads else default_heads_dir()
+    if not heads_dir.is_dir():
+        raise FileNotFoundError(
+            f"no Medusa heads at {heads_dir}; train them first (python train/medusa.py --config "
+            "configs/medusa/smollm2-135m.yaml) or pass --heads DIR")
+    model, tokenizer = load_base_model(args.model)
+    model.eval()
+    drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on heads for another model
+    input_ids = encode_prompt(tokenizer, args.prompt)
+    eos = tokenizer.eos_token_id
+    print(f"model {args.model}, heads {heads_dir} ({drafter.heads.config.num_heads} heads, "
+          f"tree of {len(drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}), {input_ids.shape[1]} prompt tokens, {args.threads} threads")
+    print(f"prompt: {args.prompt}\n")
+
+    with torch.inference_mode():
+        _baseline(model, input_ids, WARMUP_TOKENS, eos)
+        decoding.generate(model, drafter, input_ids, max_new_tokens=WARMUP_TOKENS, eos_token_id=eos)
+        reference, seconds = _baseline(model, input_ids, args.max_new_tokens, eos)
+        out = decoding.generate(model, drafter, input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+
+    prompt_length = input_ids.shape[1]
+    baseline_tokens = reference.shape[1] - prompt_length
+    baseline_speed = baseline_tokens / seconds if seconds > 0 else 0.0
+    stats = out.stats
+    text = tokenizer.decode(out.sequences[0, prompt_length:], skip_special_tokens=True)
+    identical = out.sequences.tolist() == reference.tolist()
+    print(f"answer: {text.strip()}\n")
+    print(f"{'method':<22} {'tokens':>6} {'tokens/s':>9} {'tau':>5}")
+    print(f"{'without heads (HF)':<22} {baseline_tokens:>6} {baseline_speed:>9.1f} {1.0:>5.2f}")
+    print(f"{'with Medusa heads':<22} {stats.new_tokens:>6} {stats.tokens_per_s:>9.1f} {stats.tau:>5.2f}")
+    speedup = stats.tokens_per_s / baseline_speed if baseline_speed > 0 else float("nan")
+    print(f"speedup {speedup:.2f}x; texts identical: {'yes' if identical else 'NO'}")
+    if not identical:
+        reference_text = tokenizer.decode(reference[0, prompt_length:], skip_special_tokens=True)
+        print(f"\nwithout heads: {reference_text.strip()}")
+        return 1
+    return 0

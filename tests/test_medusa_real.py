@@ -1,0 +1,64 @@
+"""Medusa decoding on the embedded SmolLM2: greedy output equals the model's own ``generate``, with random heads
+and with the committed heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decoding
+from medusa import MedusaDrafter, MedusaHeads, load
+from selfspec.commands.demo import default_heads_dir
+from selfspec.prompts import encode_prompt
+
+pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
+
+PROMPTS = ("Write a haiku about the sea.", "What is 12 times 7?")
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def references(smollm2) -> dict[str, list[list[int]]]:
+    """HF greedy ``generate`` for each prompt, computed once for every drafter checked against it."""
+    model, tokenizer = smollm2
+    eos = tokenizer.eos_token_id
+    out = {}
+    for text in PROMPTS:
+        ids = encode_prompt(tokenizer, text)
+        out[text] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos,
+                                   temperature=None, top_p=None, top_k=None).tolist()
+    return out
+
+
+def _check(smollm2, references, drafter) -> list[float]:
+    model, tokenizer = smollm2
+    taus = []
+    for text in PROMPTS:
+        ids = encode_prompt(tokenizer, text)
+        out = decoding.generate(model, drafter, ids, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == references[text], text
+        taus.append(out.stats.tau)
+    return taus
+
+
+@pytest.mark.parametrize("tree", [8, 32])
+def test_greedy_equality_random_heads(smollm2, references, tree):
+    model, _ = smollm2
+    heads = MedusaHeads.for_model(model, num_heads=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        # Scaled to the hidden size so the ResBlocks perturb the features without swamping them.
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) / p.shape[-1] ** 0.5)
+    _check(smollm2, references, MedusaDrafter(heads, tree=tree))
+
+
+def test_greedy_equality_committed_heads(smollm2, references):
+    model, _ = smollm2
+    heads_dir = default_heads_dir()
+    if not heads_dir.is_dir():
+        pytest.skip(f"no committed heads at {heads_dir} yet")
+    taus = _check(smollm2, references, load(model, heads_dir))
+    # Trained heads must actually draft: a tau of 1 would mean no draft token is ever accepted.
+    assert sum(taus) / len(taus) > 1.2, taus
