@@ -1,0 +1,221 @@
+"""The benchmark core: run methods side by side on the same prompts (warmed up, order rotated per prompt), then
+summarise speed and the lossless check against ``vanilla``.
+
+Everything is injectable: pass any model, a list of ``[1, seq]`` prompt tensors and ``Method`` objects to
+``run_benchmark``; ``load_inputs`` is only the command line's way of getting them (``tiny:ARCH`` models take
+synthetic prompts of random ids, since they have no tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_methods import Generation, GenSettings, Method, parse_method
+
+REFERENCE = "vanilla"
+#: a divergence where vanilla's top-2 logits are closer than this is fp32 rounding, not a bug
+NEAR_TIE = 1e-4
+
+
+@dataclass
+class Prompt:
+    id: Any
+    input_ids: torch.Tensor  # [1, seq]
+
+
+def load_model(name: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)``; ``tiny:ARCH`` is a random tiny model from ``selfspec.testing`` with no tokenizer."""
+    if name.startswith("tiny:"):
+        from .testing import tiny_model
+
+        return tiny_model(name.split(":", 1)[1]), None
+    from .models import load_model as load_named_model
+
+    return load_named_model(name)
+
+
+def synthetic_prompts(vocab_size: int, count: int, *, seed: int = 0, min_len: int = 4,
+                      max_len: int = 16) -> list[Prompt]:
+    """``count`` prompts of random token ids (ids 0 and 1 are left out: pad / bos in the tiny configs)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=gen).tolist()
+    return [Prompt(f"synthetic-{i}", torch.randint(2, vocab_size, (1, n), generator=gen))
+            for i, n in enumerate(lengths)]
+
+
+def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_size: int,
+                 seed: int = 0) -> list[Prompt]:
+    """Prompts from a Spec-Bench JSONL file (first turn, chat template), or synthetic ones without a tokenizer.
+
+    Raises:
+        ValueError: a prompts file for a model without a tokenizer, or no prompts file for one with a tokenizer.
+    """
+    from .prompts import encode_prompt, read_prompts
+
+    if tokenizer is None:
+        if path:
+            raise ValueError("this model has no tokenizer (a tiny test model): omit --prompts to use random ids")
+        return synthetic_prompts(vocab_size, limit or 4, seed=seed)
+    if not path:
+        raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
+    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"])) for p in read_prompts(path, limit)]
+
+
+def eos_of(model: Any, tokenizer: Any) -> int | list[int] | None:
+    """The tokenizer's EOS if it has one, else the model's generation config's."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return getattr(model.generation_config, "eos_token_id", None)
+
+
+@dataclass
+class BenchRun:
+    """Raw results: ``generations[method][i]`` is the output for ``prompts[i]``."""
+
+    prompts: list[Prompt]
+    settings: GenSettings
+    generations: dict[str, list[Generation]] = field(default_factory=dict)
+
+
+def run_benchmark(model: Any, prompts: Sequence[Prompt], methods: Sequence[Method | str], settings: GenSettings, *,
+                  warmup_tokens: int = 16, reference: BenchRun | None = None, progress: bool = True) -> BenchRun:
+    """Generate every prompt with every method. Each method first runs one untimed warm-up generation (the first
+    prompt, ``warmup_tokens`` new tokens); then, per prompt, the methods run in an order rotated by one each prompt,
+    so slow drifts of a shared machine fall on every method alike.
+
+    ``vanilla`` is added when missing (it is the lossless reference), unless ``reference`` supplies its outputs
+    from an earlier run on the same prompts and settings.
+    """
+    methods = [parse_method(m) if isinstance(m, str) else m for m in methods]
+    if reference is not None and reference.settings != settings:
+        raise ValueError("reference run was made with other generation settings")
+    if reference is not None and [p.id for p in reference.prompts] != [p.id for p in prompts]:
+        raise ValueError("reference run was made on other prompts")
+    run = BenchRun(list(prompts), settings)
+    if reference is not None:
+        run.generations[REFERENCE] = reference.generations[REFERENCE]
+        methods = [m for m in methods if m.name != REFERENCE]
+    elif REFERENCE not in [m.name for m in methods]:
+        methods = [parse_method(REFERENCE), *methods]
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods listed twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    warm = replace(settings, max_new_tokens=min(warmup_tokens, settings.max_new_tokens))
+    for method in methods:
+        method.generate(model, run.prompts[0].input_ids, warm)
+        run.generations[method.name] = [None] * len(run.prompts)  # type: ignore[list-item]
+    bar = tqdm(total=len(run.prompts) * len(methods), desc="bench", disable=not progress)
+    for i, prompt in enumerate(run.prompts):
+        shift = i % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            bar.set_postfix_str(method.name)
+            run.generations[method.name][i] = method.generate(model, prompt.input_ids, settings)
+            bar.update()
+    bar.close()
+    return run
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ (a length mismatch counts), or None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def top2_gaps(model: Any, input_ids: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """``[len(tokens)]``: at each generated position, the base model's top-1 minus top-2 logit, recomputed with one
+    forward over the prompt plus ``tokens``."""
+    input_ids = input_ids.to(model.device)
+    sequence = torch.cat([input_ids, input_ids.new_tensor([list(tokens)])], dim=1)
+    logits = model(sequence).logits[0, input_ids.shape[1] - 1: -1].float()  # [len(tokens), vocab]
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def lossless_check(model: Any, run: BenchRun, method: str, *, near_tie: float = NEAR_TIE,
+                   gaps: dict[int, torch.Tensor] | None = None) -> dict:
+    """Compare ``method``'s outputs with vanilla's token for token. Each divergence records the prompt, the first
+    differing position, both tokens there, vanilla's top-2 logit gap there and whether that is a near-tie (fp32
+    rounding) or a bug. ``gaps`` caches the recomputed gaps per prompt index across methods."""
+    gaps = {} if gaps is None else gaps
+    identical, divergences = 0, []
+    for i, (ours, ref) in enumerate(zip(run.generations[method], run.generations[REFERENCE])):
+        pos = first_difference(ours.tokens, ref.tokens)
+        if pos is None:
+            identical += 1
+            continue
+        gap = None
+        if pos < len(ref.tokens):  # past vanilla's end (it stopped, this method did not) is a bug, no gap to show
+            if i not in gaps:
+                gaps[i] = top2_gaps(model, run.prompts[i].input_ids, ref.tokens)
+            gap = float(gaps[i][pos])
+        divergences.append({
+            "prompt": run.prompts[i].id, "position": pos,
+            "vanilla_token": ref.tokens[pos] if pos < len(ref.tokens) else None,
+            "method_token": ours.tokens[pos] if pos < len(ours.tokens) else None,
+            "gap": gap, "near_tie": gap is not None and gap < near_tie,
+        })
+    return {"identical": identical, "total": len(run.prompts), "divergences": divergences,
+            "bugs": sum(not d["near_tie"] for d in divergences)}
+
+
+def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
+    """The ``methods`` part of results.json: per method tokens/s (total new tokens / total seconds), tau, speedup
+    over vanilla, time per phase and the lossless check (only for greedy decoding, where outputs must be equal)."""
+    ref_speed = _tokens_per_s(run.generations[REFERENCE])
+    gaps: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, gens in run.generations.items():
+        speed = _tokens_per_s(gens)
+        seconds = sum(g.seconds for g in gens)
+        phases: dict[str, float] = {}
+        for g in gens:
+            for phase, t in g.phases.items():
+                phases[phase] = phases.get(phase, 0.0) + t
+        if phases:
+            phases["other"] = max(seconds - sum(phases.values()), 0.0)
+        entry = {
+            "tokens_per_s": speed, "tau": mean_tau(gens), "speedup": speed / ref_speed if ref_speed else None,
+            "new_tokens": sum(len(g.tokens) for g in gens), "seconds": seconds,
+            "steps": sum(g.steps for g in gens) if all(g.steps for g in gens) else None,
+            "time_per_phase": phases,
+        }
+        if run.settings.greedy:
+            entry.update(lossless_check(model, run, name, near_tie=near_tie, gaps=gaps))
+        else:
+            entry.update({"identical": None, "total": len(gens), "divergences": [], "bugs": None})
+        entry["per_prompt"] = [{"prompt": p.id, "new_tokens": len(g.tokens), "seconds": g.seconds, "tau": g.tau}
+                               for p, g in zip(run.prompts, gens)]
+        out[name] = entry
+    return out
+
+
+def _tokens_per_s(gens: Sequence[Generation]) -> float:
+    seconds = sum(g.seconds for g in gens)
+    return sum(len(g.tokens) for g in gens) / seconds if seconds > 0 else 0.0
+
+
+def mean_tau(gens: Sequence[Generation]) -> float | None:
+    """Tokens per base step over all prompts: the step-weighted mean of each prompt's tau."""
+    if not gens or any(g.tau is None or not g.steps for g in gens):
+        return None
+    return sum(g.tau * g.steps for g in gens) / sum(g.steps for g in gens)
+
+
+def environment() -> dict:
+    """Where and when a benchmark ran, for results.json."""
+    import datetime
+    import os
+    import platform
+
+    import transformers
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}

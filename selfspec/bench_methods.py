@@ -1,0 +1,189 @@
+"""The benchmark's method registry: a method spec such as ``vanilla``, ``hf-pld:10`` or ``medusa:DIR`` becomes a
+``Method`` that generates one prompt's continuation and says how long it took.
+
+Built in: ``vanilla`` (HF greedy ``generate``, the baseline), ``hf-pld[:N]`` (HF prompt lookup, N draft tokens),
+``hf-early-exit:E`` (HF ``assistant_early_exit=E``). Every drafter in ``decoding.available_drafters()`` is a method
+too (``none``, ``medusa:DIR``, ``early-exit:DIR``, ``layer-skip:DIR``...), run through ``decoding.generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """What every method is asked to do, identically: stop at ``eos_token_id`` or after ``max_new_tokens``."""
+
+    max_new_tokens: int = 256
+    eos_token_id: int | list[int] | None = None
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One method's output for one prompt. ``steps`` counts base-model forwards that produced tokens (``None`` when
+    unknown); ``tau`` is tokens per such step; ``phases`` maps a phase name to seconds."""
+
+    tokens: list[int]
+    seconds: float
+    steps: int | None = None
+    tau: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class Method(Protocol):
+    name: str
+
+    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation: ...
+
+
+# name -> factory(argument after the colon or None, options) -> Method
+MethodFactory = Callable[[str | None, dict], Method]
+_METHODS: dict[str, MethodFactory] = {}
+
+
+def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
+    """Register a benchmark method under ``name`` (tests register deliberately broken ones)."""
+
+    def wrap(factory: MethodFactory) -> MethodFactory:
+        _METHODS[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_methods() -> list[str]:
+    from decoding.drafter import available_drafters
+
+    return sorted(set(_METHODS) | set(available_drafters()))
+
+
+def parse_method(spec: str, **options: Any) -> Method:
+    """Build the method named by ``spec`` (``NAME`` or ``NAME:ARG``); ``options`` go to a drafter's factory.
+
+    Raises:
+        KeyError: unknown method name (the message lists the known ones).
+        ValueError: a malformed argument, such as a non-integer exit layer.
+    """
+    from decoding.drafter import available_drafters
+
+    name, _, arg = spec.strip().partition(":")
+    arg = arg or None
+    if name in _METHODS:
+        return _METHODS[name](arg, options)
+    if name in available_drafters():
+        return DrafterMethod(spec.strip(), name, arg, options)
+    raise KeyError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (the first ``ModuleList`` as long as ``config.num_hidden_layers``)."""
+    count = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
+
+
+class _HFMethod:
+    """HF ``model.generate`` with extra generation kwargs. Steps are counted by a hook on the last decoder layer, so
+    an early-exit assistant's shallow drafting forwards are not counted as base forwards."""
+
+    def __init__(self, name: str, **generate_kwargs: Any):
+        self.name = name
+        self.generate_kwargs = generate_kwargs
+
+    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
+        input_ids = input_ids.to(model.device)
+        eos = settings.eos_token_id
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        sampling = {} if settings.greedy else dict(temperature=settings.temperature, top_k=settings.top_k,
+                                                    top_p=settings.top_p)
+        forwards = [0]
+        hook = decoder_layers(model)[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        try:
+            if not settings.greedy:
+                torch.manual_seed(settings.seed)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                     do_sample=not settings.greedy, max_new_tokens=settings.max_new_tokens,
+                                     eos_token_id=eos, pad_token_id=pad, **sampling, **self.generate_kwargs)
+            seconds = time.perf_counter() - start
+        finally:
+            hook.remove()
+        tokens = out[0, input_ids.shape[1]:].tolist()
+        steps = forwards[0] or None
+        return Generation(tokens, seconds, steps, len(tokens) / steps if steps else None)
+
+
+@register_method("vanilla")
+def _vanilla(arg: str | None, options: dict) -> Method:
+    return _HFMethod("vanilla")
+
+
+@register_method("hf-pld")
+def _hf_pld(arg: str | None, options: dict) -> Method:
+    num_tokens = _int_arg("hf-pld", arg or options.get("num_tokens", 10))
+    return _HFMethod(f"hf-pld:{num_tokens}" if arg else "hf-pld", prompt_lookup_num_tokens=num_tokens)
+
+
+@register_method("hf-early-exit")
+def _hf_early_exit(arg: str | None, options: dict) -> Method:
+    if arg is None and "exit_layer" not in options:
+        raise ValueError("hf-early-exit needs an exit layer: hf-early-exit:E")
+    exit_layer = _int_arg("hf-early-exit", arg or options["exit_layer"])
+    return _HFMethod(f"hf-early-exit:{exit_layer}", assistant_early_exit=exit_layer)
+
+
+def _int_arg(method: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{method}: expected an integer argument, got {value!r}") from None
+
+
+class DrafterMethod:
+    """A registered drafter run through selfspec's own loop (``decoding.generate``). The drafter is built once per
+    model and reused for every prompt."""
+
+    def __init__(self, name: str, drafter: str, heads: str | None, options: dict):
+        self.name, self.drafter_name, self.heads, self.options = name, drafter, heads, dict(options)
+        self._built: tuple[Any, Any] | None = None  # (model, drafter)
+
+    def drafter(self, model: Any) -> Any:
+        from decoding.drafter import make_drafter
+
+        if self._built is None or self._built[0] is not model:
+            self._built = (model, make_drafter(self.drafter_name, model, self.heads, **self.options))
+        return self._built[1]
+
+    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
+        from decoding import generate
+
+        drafter = self.drafter(model)
+        input_ids = input_ids.to(model.device)
+        generator = None if settings.greedy else torch.Generator().manual_seed(settings.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = generate(model, drafter, input_ids, max_new_tokens=settings.max_new_tokens,
+                           temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                           eos_token_id=settings.eos_token_id, generator=generator)
+        seconds = time.perf_counter() - start
+        stats = out.stats
+        phases = {phase: float(getattr(stats, f"time_{phase}", 0.0) or 0.0)
+                  for phase in ("prefill", "draft", "verify", "accept")}
+        return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), seconds, getattr(stats, "steps", None),
+                          getattr(stats, "tau", None), phases)

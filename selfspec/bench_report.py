@@ -1,0 +1,79 @@
+"""Writing a benchmark's results: ``results.json``, ``results.md`` (a markdown table) and ``results.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The object-oriented matplotlib API needs no backend choice and touches no global pyplot state.
+from matplotlib.figure import Figure
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "N/A" if value is None else format(value, spec)
+
+
+def lossless_cell(entry: dict) -> str:
+    """``"10/10"``, or ``"9/10 (1 near-tie)"``, ``"8/10 (2 BUG)"``; ``"N/A"`` when sampling."""
+    if entry.get("identical") is None:
+        return "N/A"
+    text = f"{entry['identical']}/{entry['total']}"
+    ties = sum(d["near_tie"] for d in entry["divergences"])
+    notes = [f"{ties} near-tie"] * bool(ties) + [f"{entry['bugs']} BUG"] * bool(entry["bugs"])
+    return f"{text} ({', '.join(notes)})" if notes else text
+
+
+def markdown_table(results: dict) -> str:
+    """One row per method: tokens/s, speedup over vanilla, tau, identical outputs and where the time went."""
+    lines = ["| method | tokens/s | speedup | tau | identical to vanilla | time per phase (s) |",
+             "|---|---:|---:|---:|---|---|"]
+    for name, e in results["methods"].items():
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in e["time_per_phase"].items()) or "-"
+        lines.append(f"| {name} | {_fmt(e['tokens_per_s'])} | {_fmt(e['speedup'])}x | {_fmt(e['tau'])} | "
+                     f"{lossless_cell(e)} | {phases} |")
+    return "\n".join(lines) + "\n"
+
+
+def divergence_lines(results: dict) -> str:
+    """A table of every output that differs from vanilla's, or an empty string when none does."""
+    rows = [f"| {name} | {d['prompt']} | {d['position']} | {_fmt(d['gap'], '.2e')} | "
+            f"{'near-tie (fp32 rounding)' if d['near_tie'] else 'BUG'} |"
+            for name, e in results["methods"].items() for d in e["divergences"]]
+    if not rows:
+        return ""
+    return "\n".join(["## Divergences from vanilla", "", "| method | prompt | first differing token | vanilla top-2 "
+                      "logit gap | verdict |", "|---|---|---:|---:|---|", *rows]) + "\n\n"
+
+
+def config_lines(config: dict) -> str:
+    return "\n".join(f"- {k}: `{v}`" for k, v in config.items()) + "\n"
+
+
+def plot_results(results: dict, path: Path) -> None:
+    """Bars of tokens/s, speedup (with the 1x line) and tau per method."""
+    names = list(results["methods"])
+    entries = [results["methods"][n] for n in names]
+    fig = Figure(figsize=(4 + 1.4 * len(names), 3.6), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, key, title in zip(axes, ("tokens_per_s", "speedup", "tau"), ("tokens/s", "speedup over vanilla", "tau")):
+        values = [e[key] or 0.0 for e in entries]
+        ax.bar(range(len(names)), values, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        if key == "speedup":
+            ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    fig.suptitle(f"{results['config'].get('model', '')}, max_new_tokens {results['config'].get('max_new_tokens')}",
+                 fontsize=9)
+    fig.savefig(path, dpi=120)
+
+
+def write_results(results: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write results.json, results.md and results.png into ``out_dir`` (created); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n")
+    paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + divergence_lines(results)
+                           + config_lines(results["config"]))
+    plot_results(results, paths["png"])
+    return paths

@@ -1,0 +1,188 @@
+"""Hardware-aware tree calibration for Medusa heads: measure what verifying ``n`` tree nodes costs on this machine,
+estimate what each tree accepts from the heads' measured accuracies, and keep the tree with the most expected
+tokens per second.
+
+For a tree grown greedily to ``n`` nodes (``medusa.trees.default_tree``), the expected tokens per step are
+``1 + expected_accept_length`` (the bonus token plus the accepted draft nodes) and one step costs the verification
+forward's latency ``t(n)`` plus the drafter's ``propose`` latency ``d(n)`` (the heads run once per used depth, so
+deeper trees draft slower) plus an optional fixed overhead. The chosen tree maximises
+``E[tokens per step] / (t(n) + d(n) + overhead)``; ``n = 0`` (plain decoding) is measured as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from decoding.cache import crop
+from decoding.drafter import DecodeState, Drafter, SamplingParams, make_drafter
+from decoding.generate import tree_attention_mask
+from decoding.tree import DraftTree, TreeTemplate
+from medusa.card import render_readme
+from medusa.config import MedusaConfig
+from medusa.trees import default_tree, expected_accept_length
+
+from .bench import Prompt, mean_tau
+from .bench_methods import GenSettings, parse_method
+from .io import atomic_write_text
+
+DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CALIBRATION_NAME = "calibration.json"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One tree size: its choices, predicted tokens per step (tau), verification latency and their ratio."""
+
+    size: int
+    choices: list[list[int]]
+    predicted_tau: float
+    latency_s: float  # verification forward
+    draft_s: float  # drafter.propose
+    tokens_per_s: float
+
+
+@torch.inference_mode()
+def verify_latencies(model: Any, trees: dict[int, DraftTree], *, prefix_length: int = 128, repeats: int = 7,
+                     warmup: int = 2, seed: int = 0) -> dict[int, float]:
+    """Median seconds of one verification forward per tree: root + nodes over a ``prefix_length`` KV cache, with
+    the tree attention mask and depth positions that ``decoding.generate`` uses. The trees are timed round-robin
+    so that load from other processes spreads over every size alike."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prefix = torch.randint(vocab, (1, prefix_length), generator=gen)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+    root = prefix[:, -1:]
+    cached = prefix_length - 1
+    times: dict[int, list[float]] = {size: [] for size in trees}
+    for round_ in range(warmup + repeats):
+        for size, tree in trees.items():
+            step_ids = torch.cat([root, tree.tokens[None]], dim=1)
+            positions = (cached + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]))[None]
+            mask = tree_attention_mask(tree, cached, model.dtype, prefix.device) if len(tree) else None
+            start = time.perf_counter()
+            model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            elapsed = time.perf_counter() - start
+            crop(cache, cached)
+            if round_ >= warmup:
+                times[size].append(elapsed)
+    return {size: statistics.median(ts) for size, ts in times.items()}
+
+
+@torch.inference_mode()
+def draft_latencies(model: Any, make: Callable[[list[list[int]]], Drafter], choices: dict[int, list[list[int]]], *,
+                    repeats: int = 7, warmup: int = 2, seed: int = 0) -> dict[int, float]:
+    """Median seconds of ``make(choices).propose(state)`` per tree (0 for the empty tree), on a state whose hidden
+    states are random (timing only)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden_size = model.config.get_text_config().hidden_size
+    state = DecodeState(model=model, cache=None, sequence=torch.randint(8, (1, 8), generator=gen),
+                        sampling=SamplingParams())
+    out = {0: 0.0}
+    for size, c in choices.items():
+        if not c:
+            continue
+        drafter = make(c)
+        state.hidden = {layer: torch.randn(1, 1, hidden_size, generator=gen, dtype=model.dtype)
+                        for layer in drafter.hidden_layers}
+        times = []
+        for round_ in range(warmup + repeats):
+            start = time.perf_counter()
+            drafter.propose(state)
+            if round_ >= warmup:
+                times.append(time.perf_counter() - start)
+        out[size] = statistics.median(times)
+    return out
+
+
+def linear_fit(latency: dict[int, float]) -> dict[int, float]:
+    """``t(n) = a + b * n`` fitted by least squares to measured latencies (at least two sizes)."""
+    slope, intercept = statistics.linear_regression(list(latency), list(latency.values()))
+    return {n: intercept + slope * n for n in latency}
+
+
+def candidate_trees(head_accuracy: Sequence[Sequence[float]], sizes: Sequence[int]) -> dict[int, list[list[int]]]:
+    """Greedy (Medusa-style) trees for every size the heads' candidates allow; size 0 is the empty tree."""
+    capacity, per_depth = 0, 1
+    for row in head_accuracy:  # every path of measured ranks is a possible node
+        per_depth *= len(row)
+        capacity += per_depth
+    return {n: (default_tree(head_accuracy, n) if n else []) for n in sorted(set(sizes) | {0}) if n <= capacity}
+
+
+def check_accuracy(head_accuracy: Sequence[Sequence[float]] | None, where: str) -> list[list[float]]:
+    """The accuracies as floats.
+
+    Raises:
+        ValueError: none measured, or a head whose ranks sum beyond 1 (cumulative top-k given instead of per rank).
+    """
+    if not head_accuracy:
+        raise ValueError(f"{where} has no measured head_accuracy; train (or evaluate) the heads first")
+    rows = [[float(p) for p in row] for row in head_accuracy]
+    for k, row in enumerate(rows):
+        if sum(row) > 1.0 + 1e-6:
+            raise ValueError(f"{where}: head {k}'s accuracies sum to {sum(row):.3f} > 1; head_accuracy must be per "
+                             "rank (P(rank r is right)), not cumulative top-k")
+    return rows
+
+
+def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Sequence[int] = DEFAULT_SIZES, *,
+              heads_dir: str | Path | None = None, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
+              overhead_s: float = 0.0, fit_linear: bool = False, seed: int = 0) -> tuple[Candidate, list[Candidate]]:
+    """``(best, candidates)``: every candidate tree with its predicted tau and measured latencies; the best is the
+    non-empty tree with the highest ``predicted_tau / (verify + draft + overhead_s)``. The draft latency is
+    measured with the Medusa drafter of ``heads_dir``, and counted as 0 without one. ``fit_linear`` replaces the
+    verification medians by a least-squares line in the number of tokens (steadier on a busy machine)."""
+    choices = candidate_trees(head_accuracy, sizes)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    trees = {}
+    for n, c in choices.items():
+        parents = TreeTemplate(c).parents if c else torch.zeros(0, dtype=torch.long)
+        trees[n] = DraftTree(torch.randint(vocab, (n,), generator=gen), parents)
+    latency = verify_latencies(model, trees, prefix_length=prefix_length, repeats=repeats, warmup=warmup, seed=seed)
+    if fit_linear:
+        latency = linear_fit(latency)
+    draft = ({n: 0.0 for n in choices} if heads_dir is None else
+             draft_latencies(model, lambda c: make_drafter("medusa", model, str(heads_dir), tree=c), choices,
+                             repeats=repeats, warmup=warmup, seed=seed))
+    candidates = []
+    for n, c in choices.items():
+        tau = 1.0 + (expected_accept_length(c, head_accuracy) if c else 0.0)
+        candidates.append(Candidate(n, c, tau, latency[n], draft[n], tau / (latency[n] + draft[n] + overhead_s)))
+    best = max((c for c in candidates if c.size), key=lambda c: c.tokens_per_s)
+    return best, candidates
+
+
+def save_tree(heads_dir: str | Path, best: Candidate, report: dict) -> Path:
+    """Write ``best.choices`` as the ``tree`` of the heads' config.json (refreshing their README, which describes
+    the tree), and ``report`` to calibration.json."""
+    heads_dir = Path(heads_dir)
+    config = MedusaConfig.load(heads_dir)
+    config.tree = best.choices
+    atomic_write_text(heads_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    atomic_write_text(heads_dir / "README.md", render_readme(config))
+    atomic_write_text(heads_dir / CALIBRATION_NAME, json.dumps(report, indent=2) + "\n")
+    return heads_dir / "config.json"
+
+
+def report_dict(best: Candidate, candidates: list[Candidate], **extra: Any) -> dict:
+    """What calibration.json records: every candidate, the choice and the measuring conditions."""
+    rows = [{k: v for k, v in asdict(c).items() if k != "choices"} for c in candidates]
+    return {"chosen_size": best.size, "predicted_tau": best.predicted_tau, "candidates": rows,
+            "threads": torch.get_num_threads(), **extra}
+
+
+def measure_tau(model: Any, heads_dir: str | Path, choices: list[list[int]], prompts: Sequence[Prompt],
+                settings: GenSettings) -> float | None:
+    """Tokens per step of the Medusa drafter with tree ``choices`` on ``prompts`` (one warm-up-free pass)."""
+    method = parse_method(f"medusa:{heads_dir}", tree=choices)
+    return mean_tau([method.generate(model, p.input_ids, settings) for p in prompts])

@@ -1,0 +1,176 @@
+"""The benchmark harness on tiny models: results schema, lossless accounting (a broken method is caught with a
+large gap, a near-tie is told apart), warm-up and per-prompt rotation of the method order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from selfspec import bench
+from selfspec.bench import BenchRun, first_difference, run_benchmark, summarize, synthetic_prompts
+from selfspec.bench_methods import Generation, GenSettings, parse_method, register_method
+from selfspec.bench_report import write_results
+from selfspec.cli import main
+from selfspec.testing import tiny_model
+
+SETTINGS = GenSettings(max_new_tokens=8)
+FLIP_AT = 3
+
+
+class _FlipMethod:
+    """Deliberately broken: vanilla's output with the token at ``FLIP_AT`` changed."""
+
+    name = "flip"
+
+    def generate(self, model, input_ids, settings):
+        out = parse_method("vanilla").generate(model, input_ids, settings)
+        tokens = list(out.tokens)
+        if len(tokens) > FLIP_AT:  # the warm-up may be shorter
+            tokens[FLIP_AT] = (tokens[FLIP_AT] + 1) % model.config.vocab_size
+        return Generation(tokens, out.seconds, out.steps, out.tau)
+
+
+register_method("test-flip")(lambda arg, options: _FlipMethod())
+
+
+def test_bench_cli_writes_results_schema(tmp_path):
+    from medusa import MedusaHeads
+
+    heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=2)
+    with torch.no_grad():
+        heads.resblock_weight.normal_(0, 0.5)  # non-trivial drafts, so the tree path is really exercised
+    heads.save_pretrained(tmp_path / "heads")
+    out = tmp_path / "out"
+    methods = f"vanilla,hf-pld,hf-early-exit:2,none,early-exit,layer-skip,medusa:{tmp_path / 'heads'}"
+    rc = main(["bench", "--threads", "1", "--model", "tiny:llama", "--methods", methods,
+               "--limit", "2", "--max-new-tokens", "8", "--warmup-tokens", "2", "--out", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"methods", "config"}
+    medusa_name = f"medusa:{tmp_path / 'heads'}"
+    assert list(results["methods"]) == ["vanilla", "hf-pld", "hf-early-exit:2", "none", "early-exit", "layer-skip",
+                                        medusa_name]
+    for name, entry in results["methods"].items():
+        assert {"tokens_per_s", "tau", "speedup", "identical", "total", "divergences", "time_per_phase"} <= set(entry)
+        assert entry["identical"] == entry["total"] == 2, name  # every correct method equals vanilla
+        assert entry["divergences"] == [] and entry["tokens_per_s"] > 0
+        assert entry["new_tokens"] == 16
+    assert results["methods"]["vanilla"]["speedup"] == 1.0
+    assert results["methods"]["vanilla"]["tau"] == 1.0
+    assert results["methods"][medusa_name]["tau"] > 1.0  # random heads still get some tokens accepted
+    assert {"prefill", "draft", "verify", "accept", "other"} == set(results["methods"]["none"]["time_per_phase"])
+    assert results["config"]["max_new_tokens"] == 8 and results["config"]["num_prompts"] == 2
+    assert "| hf-pld |" in (out / "results.md").read_text()
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_broken_method_is_reported_divergent_with_large_gap(tmp_path):
+    model = tiny_model("llama")
+    prompts = synthetic_prompts(model.config.vocab_size, 2)
+    run = run_benchmark(model, prompts, ["test-flip", "hf-pld"], SETTINGS, warmup_tokens=2, progress=False)
+    results = summarize(model, run)
+    flip = results["flip"]
+    assert flip["identical"] == 0 and flip["total"] == 2 and flip["bugs"] == 2
+    for d in flip["divergences"]:
+        assert d["position"] == FLIP_AT and d["method_token"] != d["vanilla_token"]
+        assert d["gap"] > 1e-2 and not d["near_tie"]
+    assert results["hf-pld"]["identical"] == 2 and results["hf-pld"]["bugs"] == 0
+    write_results({"methods": results, "config": {"model": "tiny:llama", "max_new_tokens": 8}}, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| flip |" in md and "0/2 (2 BUG)" in md and md.count("| BUG |") == 2
+
+
+def test_divergence_at_exact_tie_is_a_near_tie():
+    model = tiny_model("llama")
+    prompts = synthetic_prompts(model.config.vocab_size, 1)
+    run = run_benchmark(model, prompts, [], SETTINGS, warmup_tokens=1, progress=False)
+    ref = run.generations["vanilla"][0].tokens
+    pos = 2
+    other = next(t for t in range(model.config.vocab_size) if t not in ref)
+    with torch.no_grad():  # token `other` now scores exactly as vanilla's token: an exact tie at `pos`
+        head = model.get_output_embeddings().weight
+        head[other] = head[ref[pos]]
+    run.generations["tie"] = [Generation(ref[:pos] + [other] + ref[pos + 1:], 1.0)]
+    tie = summarize(model, run)["tie"]
+    assert tie["identical"] == 0 and tie["bugs"] == 0
+    assert tie["divergences"][0]["position"] == pos and tie["divergences"][0]["gap"] < 1e-6
+    assert tie["divergences"][0]["near_tie"]
+
+
+def test_method_longer_than_vanilla_is_a_bug_without_gap():
+    model = tiny_model("llama")
+    run = run_benchmark(model, synthetic_prompts(96, 1), [], SETTINGS, warmup_tokens=1, progress=False)
+    ref = run.generations["vanilla"][0].tokens
+    run.generations["long"] = [Generation(ref + [5], 1.0)]
+    d = summarize(model, run)["long"]["divergences"][0]
+    assert d["position"] == len(ref) and d["gap"] is None and not d["near_tie"]
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], []) is None
+
+
+class _Recorder:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def generate(self, model, input_ids, settings):
+        self.log.append((self.name, settings.max_new_tokens))
+        return Generation([1] * settings.max_new_tokens, 0.01, settings.max_new_tokens, 1.0)
+
+
+def test_warmup_then_rotated_order_per_prompt():
+    log: list = []
+    methods = [_Recorder(n, log) for n in ("vanilla", "a", "b")]
+    prompts = [bench.Prompt(i, torch.tensor([[2, 3]])) for i in range(4)]
+    run_benchmark(None, prompts, methods, GenSettings(max_new_tokens=5), warmup_tokens=2, progress=False)
+    assert log[:3] == [("vanilla", 2), ("a", 2), ("b", 2)]  # one short warm-up each
+    order = [name for name, _ in log[3:]]
+    assert order == ["vanilla", "a", "b", "a", "b", "vanilla", "b", "vanilla", "a", "vanilla", "a", "b"]
+
+
+def test_vanilla_is_added_and_reference_reused():
+    log: list = []
+    prompts = [bench.Prompt(0, torch.tensor([[2, 3]]))]
+    first = run_benchmark(None, prompts, [_Recorder("vanilla", log)], SETTINGS, progress=False)
+    again = run_benchmark(None, prompts, [_Recorder("x", log)], SETTINGS, reference=first, progress=False)
+    assert list(again.generations) == ["vanilla", "x"]
+    assert again.generations["vanilla"] is first.generations["vanilla"]
+    assert [n for n, _ in log].count("vanilla") == 2  # warm-up + one prompt, only in the first run
+    with pytest.raises(ValueError, match="other generation settings"):
+        run_benchmark(None, prompts, [_Recorder("x", log)], GenSettings(max_new_tokens=3), reference=first)
+
+
+def test_method_specs():
+    assert parse_method("vanilla").name == "vanilla"
+    assert parse_method("hf-pld:4").generate_kwargs == {"prompt_lookup_num_tokens": 4}
+    assert parse_method("hf-early-exit:2").generate_kwargs == {"assistant_early_exit": 2}
+    assert parse_method("none").name == "none"
+    with pytest.raises(ValueError, match="exit layer"):
+        parse_method("hf-early-exit")
+    with pytest.raises(ValueError, match="integer"):
+        parse_method("hf-pld:x")
+    with pytest.raises(KeyError, match="available: .*vanilla"):
+        parse_method("nonsense")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    bench_args = ["bench", "--threads", "1", "--model", "tiny:llama", "--out", str(tmp_path)]
+    assert main([*bench_args, "--methods", "nonsense"]) == 2
+    assert "unknown method 'nonsense'" in capsys.readouterr().err
+    assert main([*bench_args, "--prompts", "x.jsonl"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_sampling_skips_the_lossless_check():
+    model = tiny_model("llama")
+    run = run_benchmark(model, synthetic_prompts(96, 1), ["none"], GenSettings(max_new_tokens=4, temperature=1.0),
+                        warmup_tokens=1, progress=False)
+    assert isinstance(run, BenchRun)
+    entry = summarize(model, run)["none"]
+    assert entry["identical"] is None and entry["divergences"] == []

@@ -1,0 +1,99 @@
+"""Tree calibration on a tiny model with tiny Medusa heads: candidate trees, the E/t(n) choice, latency
+measurement, and the command that writes the chosen tree into the heads' config.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa import MedusaConfig, MedusaHeads, expected_accept_length
+from selfspec import calibrate as cal
+from selfspec.cli import main
+from selfspec.testing import tiny_model
+
+ACCURACY = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.15, 0.1]]
+
+
+def test_candidate_trees_are_nested_and_capped():
+    trees = cal.candidate_trees(ACCURACY, [1, 4, 8, 100])
+    assert sorted(trees) == [0, 1, 4, 8]  # 100 > 3 + 9 + 27 possible nodes
+    assert trees[0] == [] and trees[1] == [[0]]
+    assert all(len(trees[n]) == n for n in trees)
+    assert {tuple(c) for c in trees[4]} <= {tuple(c) for c in trees[8]}
+
+
+def test_choice_maximises_expected_tokens_per_second(monkeypatch):
+    # Latency flat up to 4 nodes, then steep: the 4-node tree must win.
+    monkeypatch.setattr(cal, "verify_latencies",
+                        lambda model, trees, **_: {n: 1.0 if n <= 4 else 1.0 + n for n in trees})
+    best, candidates = cal.calibrate(tiny_model("llama"), ACCURACY, [1, 2, 4, 8, 16])
+    assert best.size == 4
+    assert best.predicted_tau == pytest.approx(1 + expected_accept_length(best.choices, ACCURACY))
+    assert [c.size for c in candidates] == [0, 1, 2, 4, 8, 16]
+    assert max(candidates[1:], key=lambda c: c.tokens_per_s) is best
+
+
+def test_verify_latencies_are_measured():
+    trees = cal.candidate_trees(ACCURACY, [2, 8])
+    model = tiny_model("llama")
+    from decoding.tree import DraftTree, TreeTemplate
+
+    drafts = {n: DraftTree(torch.full((n,), 5), TreeTemplate(c).parents if c else torch.zeros(0, dtype=torch.long))
+              for n, c in trees.items()}
+    latency = cal.verify_latencies(model, drafts, prefix_length=16, repeats=2, warmup=1)
+    assert set(latency) == {0, 2, 8} and all(t > 0 for t in latency.values())
+
+
+def test_cumulative_accuracy_is_rejected():
+    with pytest.raises(ValueError, match="not cumulative"):
+        cal.check_accuracy([[0.5, 0.8, 0.9]], "heads")
+    with pytest.raises(ValueError, match="no measured head_accuracy"):
+        cal.check_accuracy(None, "heads")
+
+
+def test_calibrate_command_writes_the_tree(tmp_path, capsys):
+    heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=3, head_accuracy=ACCURACY)
+    heads.save_pretrained(tmp_path)
+    rc = main(["calibrate", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama", "--sizes", "1,4,8",
+               "--repeats", "1", "--prefix-length", "16", "--limit", "1", "--max-new-tokens", "8"])
+    assert rc == 0
+    config = MedusaConfig.load(tmp_path)
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert len(config.tree) == report["chosen_size"] in (1, 4, 8)
+    assert config.tree == cal.candidate_trees(ACCURACY, [report["chosen_size"]])[report["chosen_size"]]
+    assert report["measured_tau"] >= 1.0 and [c["size"] for c in report["candidates"]] == [0, 1, 4, 8]
+    assert f"Default draft tree: {len(config.tree)} nodes" in (tmp_path / "README.md").read_text()
+    out = capsys.readouterr().out
+    assert "<- chosen" in out and "measured" in out
+    # The saved heads still load, and the drafter now uses the calibrated tree by default.
+    from decoding import make_drafter
+
+    assert make_drafter("medusa", tiny_model("llama"), str(tmp_path)).template.choices == config.tree
+
+
+def test_draft_cost_enters_the_choice(monkeypatch):
+    monkeypatch.setattr(cal, "verify_latencies", lambda model, trees, **_: {n: 1.0 for n in trees})
+    monkeypatch.setattr(cal, "draft_latencies", lambda model, make, choices, **_: {n: 0.2 * n for n in choices})
+    best, candidates = cal.calibrate(tiny_model("llama"), ACCURACY, [1, 2, 4, 8, 16], heads_dir="unused")
+    expected = max(candidates[1:], key=lambda c: c.predicted_tau / (1.0 + 0.2 * c.size))
+    assert best is expected and best.size < 16  # without the draft cost the largest tree would win
+    assert all(c.draft_s == pytest.approx(0.2 * c.size) for c in candidates)
+
+
+def test_draft_latencies_with_tiny_heads(tmp_path):
+    from decoding import make_drafter
+
+    model = tiny_model("llama")
+    MedusaHeads.for_model(model, num_heads=3).save_pretrained(tmp_path)
+    choices = cal.candidate_trees(ACCURACY, [2, 8])
+    latency = cal.draft_latencies(model, lambda c: make_drafter("medusa", model, str(tmp_path), tree=c), choices,
+                                  repeats=2, warmup=1)
+    assert latency[0] == 0.0 and latency[2] > 0 and latency[8] > 0
+
+
+def test_linear_fit_smooths_outliers():
+    fitted = cal.linear_fit({0: 1.0, 4: 1.4, 8: 5.0, 16: 2.6})  # one size hit by another process
+    assert fitted[16] > fitted[8] > fitted[4] > fitted[0]
+    assert cal.linear_fit({0: 1.0, 10: 2.0}) == pytest.approx({0: 1.0, 10: 2.0})
