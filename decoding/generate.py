@@ -103,6 +103,19 @@ def tree_attention_mask(tree: DraftTree, prefix_length: int, dtype: torch.dtype,
     return mask
 
 
+def verify_forward(model, cache, root: int, tree: DraftTree, *, output_hidden_states: bool = False):
+    """One base forward over the root and every tree node, each seeing the cached prefix and its own ancestors
+    (depth position ids, tree attention mask). Appends ``len(tree) + 1`` entries to ``cache``; returns the model
+    output, whose ``logits[0]`` is ``[n + 1, vocab]`` with row 0 for the root."""
+    prefix_length = cache.get_seq_length()
+    device = model.get_output_embeddings().weight.device
+    step_ids = torch.cat([torch.tensor([root]), tree.tokens.cpu()]).unsqueeze(0).to(device)
+    positions = (prefix_length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])).unsqueeze(0).to(device)
+    mask = None if len(tree) == 0 else tree_attention_mask(tree, prefix_length, model.dtype, device)
+    return model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                 output_hidden_states=output_hidden_states)
+
+
 def _check_inputs(model, drafter, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -228,11 +241,7 @@ def generate(
         t1 = time.perf_counter()
 
         # 3. Verify: one forward over root + all nodes, each seeing the prefix and its own ancestors.
-        step_ids = torch.cat([state.sequence.new_tensor([root]), tree.tokens.to(device)]).unsqueeze(0)
-        positions = (prefix_length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])).unsqueeze(0).to(device)
-        mask = None if len(tree) == 0 else tree_attention_mask(tree, prefix_length, model.dtype, device)
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=state.cache,
-                    use_cache=True, output_hidden_states=want_hidden)
+        out = verify_forward(model, state.cache, root, tree, output_hidden_states=want_hidden)
         logits = out.logits[0]  # [n + 1, vocab]
         t2 = time.perf_counter()
 

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from decoding.cache import crop
 from decoding.drafter import DecodeState, Drafter, SamplingParams, make_drafter
-from decoding.generate import tree_attention_mask
+from decoding.generate import verify_forward
 from decoding.tree import DraftTree, TreeTemplate
 from medusa.card import render_readme
 from medusa.config import MedusaConfig
@@ -60,16 +60,13 @@ def verify_latencies(model: Any, trees: dict[int, DraftTree], *, prefix_length: 
     prefix = torch.randint(vocab, (1, prefix_length), generator=gen)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
-    root = prefix[:, -1:]
+    root = int(prefix[0, -1])
     cached = prefix_length - 1
     times: dict[int, list[float]] = {size: [] for size in trees}
     for round_ in range(warmup + repeats):
         for size, tree in trees.items():
-            step_ids = torch.cat([root, tree.tokens[None]], dim=1)
-            positions = (cached + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]))[None]
-            mask = tree_attention_mask(tree, cached, model.dtype, prefix.device) if len(tree) else None
             start = time.perf_counter()
-            model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            verify_forward(model, cache, root, tree)
             elapsed = time.perf_counter() - start
             crop(cache, cached)
             if round_ >= warmup:
