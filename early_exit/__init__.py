@@ -1,0 +1,25 @@
+"""Self-speculative drafts from the base model's own shallow layers: early-exit classifiers (LayerSkip, Kangaroo)
+and training-free layer skipping (Draft & Verify, SWIFT). Importing the package registers the ``early-exit`` and
+``layer-skip`` drafters::
+
+    from decoding import generate, make_drafter
+    drafter = make_drafter("early-exit", model, exit_layer=18, max_depth=3)       # training-free classifier
+    drafter = make_drafter("early-exit", model, "heads/smollm2-135m-instruct-early-exit")  # trained one
+    drafter = make_drafter("early-exit", model, exit_layer=18, max_depth=4, top_k=2)   # dynamic top-k tree
+    drafter = make_drafter("layer-skip", model, "heads/smollm2-135m-instruct-layer-skip")  # searched skip set
+    out = generate(model, drafter, input_ids, max_new_tokens=128)   # equals model.generate(do_sample=False)
+
+Train a classifier with ``train/early_exit.py``; search a skip set with ``scripts/search_layer_skip.py``.
+"""
+
+from .classifier import ExitClassifier, ExitClassifierConfig, check_exit_layer, new_classifier
+from .drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter, PartialForwardDrafter
+from .layer_skip import LayerSkipConfig, default_skip_layers
+from .layers import SUPPORTED_MODEL_TYPES, check_supported
+from .registry import make_early_exit_drafter, make_layer_skip_drafter
+
+__all__ = [
+    "DraftPolicy", "EarlyExitDrafter", "ExitClassifier", "ExitClassifierConfig", "LayerSkipConfig",
+    "LayerSkipDrafter", "PartialForwardDrafter", "SUPPORTED_MODEL_TYPES", "check_exit_layer", "check_supported",
+    "default_skip_layers", "make_early_exit_drafter", "make_layer_skip_drafter", "new_classifier",
+]

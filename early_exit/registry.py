@@ -1,0 +1,67 @@
+"""Factories behind ``--draft early-exit`` and ``--draft layer-skip`` (``make_drafter(name, model, heads, **options)``)."""
+
+from __future__ import annotations
+
+from decoding.drafter import register_drafter
+
+from .classifier import ExitClassifier, new_classifier
+from .drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
+from .layer_skip import LayerSkipConfig, default_skip_layers
+from .layers import check_supported
+
+
+POLICY_OPTIONS = ("max_depth", "top_k", "width", "max_nodes", "threshold")
+
+
+def _policy(**options) -> DraftPolicy:
+    """Raises: ValueError: an option that is not a draft-policy option, or an invalid value."""
+    unknown = sorted(set(options) - set(POLICY_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown draft option(s) {unknown}; known: {', '.join(POLICY_OPTIONS)}")
+    return _build_policy(**options)
+
+
+def _build_policy(max_depth: int = 6, top_k: int = 1, width: int | None = None, max_nodes: int | None = None,
+                  threshold: float = 0.0) -> DraftPolicy:
+    # A chain unless asked otherwise; a tree keeps top_k nodes per depth by default.
+    width = width if width is not None else top_k
+    max_nodes = max_nodes if max_nodes is not None else max_depth * width
+    return DraftPolicy(max_depth=max_depth, top_k=top_k, width=width, max_nodes=max_nodes, threshold=threshold)
+
+
+@register_drafter("early-exit")
+def make_early_exit_drafter(model, heads: str | None = None, *, exit_layer: int | None = None, **policy) -> EarlyExitDrafter:
+    """A trained classifier from ``heads``, or the training-free one (base norm + LM head) at ``exit_layer``
+    (default: half the layers). ``policy``: max_depth, top_k, width, max_nodes, threshold (see DraftPolicy).
+
+    Raises:
+        ValueError: unsupported model, exit layer outside 1..L-1, classifier for another base model, or both
+            ``heads`` and a different ``exit_layer``.
+        FileNotFoundError: ``heads`` is not a classifier directory.
+    """
+    check_supported(model)
+    if heads is not None:
+        classifier = ExitClassifier.from_pretrained(heads, model)
+        if exit_layer is not None and exit_layer != classifier.exit_layer:
+            raise ValueError(f"{heads} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
+    else:
+        classifier = new_classifier(model, exit_layer if exit_layer is not None else len(model.model.layers) // 2)
+    return EarlyExitDrafter(model, classifier, _policy(**{**classifier.config.policy, **policy}))
+
+
+@register_drafter("layer-skip")
+def make_layer_skip_drafter(model, heads: str | None = None, *, skip_layers: list[int] | None = None,
+                            **policy) -> LayerSkipDrafter:
+    """The skip set searched into ``heads``, or ``skip_layers``, or every other layer of the second half.
+
+    Raises:
+        ValueError: unsupported model, bad layer indices, or a set searched on another base model.
+        FileNotFoundError: ``heads`` is not a layer-skip directory.
+    """
+    check_supported(model)
+    if heads is not None and skip_layers is None:
+        config = LayerSkipConfig.load(heads, model)
+        skip_layers, policy = config.skip_layers, {**config.policy, **policy}
+    if skip_layers is None:
+        skip_layers = default_skip_layers(len(model.model.layers))
+    return LayerSkipDrafter(model, skip_layers, _policy(**policy))

@@ -1,0 +1,59 @@
+"""Early-exit and layer-skip drafts on the embedded SmolLM2: greedy output equals the model's own ``generate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import decoding
+from decoding.drafter import make_drafter
+from selfspec.prompts import encode_prompt
+
+pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
+
+PROMPTS = ("Write a haiku about the sea.", "What is 12 times 7?")
+NEW_TOKENS = 32
+COMMITTED = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-early-exit"
+
+
+@pytest.fixture(scope="module")
+def references(smollm2) -> dict[str, list[list[int]]]:
+    model, tokenizer = smollm2
+    eos = tokenizer.eos_token_id
+    out = {}
+    for text in PROMPTS:
+        ids = encode_prompt(tokenizer, text)
+        out[text] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos,
+                                   temperature=None, top_p=None, top_k=None).tolist()
+    return out
+
+
+DRAFTS = {
+    "early-exit-chain": ("early-exit", None, dict(exit_layer=15, max_depth=4)),
+    "early-exit-tree": ("early-exit", None, dict(exit_layer=20, max_depth=3, top_k=2, width=2)),
+    "layer-skip": ("layer-skip", None, dict(max_depth=3)),
+}
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_greedy_equality(smollm2, references, draft):
+    model, tokenizer = smollm2
+    name, heads, options = DRAFTS[draft]
+    drafter = make_drafter(name, model, heads, **options)
+    for text in PROMPTS:
+        out = decoding.generate(model, drafter, encode_prompt(tokenizer, text), max_new_tokens=NEW_TOKENS,
+                                eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == references[text], (draft, text)
+
+
+@pytest.mark.skipif(not (COMMITTED / "config.json").is_file(), reason="no committed early-exit classifier yet")
+def test_committed_classifier_is_lossless(smollm2, references):
+    model, tokenizer = smollm2
+    drafter = make_drafter("early-exit", model, str(COMMITTED))
+    for text in PROMPTS:
+        out = decoding.generate(model, drafter, encode_prompt(tokenizer, text), max_new_tokens=NEW_TOKENS,
+                                eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == references[text], text
