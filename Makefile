@@ -20,8 +20,18 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
+# The main job on the embedded default: train Medusa heads with the default recipe (self-generated, self-distilled
+# data; no dataset or hub needed), then answer a sample prompt with and without them. `make demo DEMO_TRAIN=0`
+# skips training and uses the committed heads.
+DEMO_DIR ?= runs/demo
+DEMO_TRAIN ?= 1
 demo: install
+ifeq ($(DEMO_TRAIN),1)
+	$(PY) train/medusa.py --config configs/medusa/smollm2-135m.yaml output_dir=$(DEMO_DIR) heads_dir=$(DEMO_DIR)/heads
+	$(PY) -m selfspec.cli demo --heads $(DEMO_DIR)/heads
+else
 	$(PY) -m selfspec.cli demo
+endif
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
