@@ -153,11 +153,11 @@ def hf_samples(model, sampling, seed=0):
     return out[:, PROMPT.shape[1]:]
 
 
-@pytest.mark.slow
 # Every sampling config with a matched and an adversarial draft; deterministic top-2 drafts (Medusa-like) once.
 CASES = [(config, mode) for config in CONFIGS for mode in ("matched", "adversarial")] + [("topp0.8", "top2")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,mode", CASES)
 def test_speculative_sampling_matches_hf_distribution(model, raw_logits, config, mode):
     sampling = CONFIGS[config]
