@@ -1,0 +1,333 @@
+"""Training data: load conversations through ``datasets`` (hub ids, local json/jsonl/parquet/arrow), detect their
+format, apply the chat template with a loss mask on assistant tokens, and make data with the base model itself
+(self-generated prompts, self-distilled responses in resumable shards).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FORMATS = {
+    "sharegpt": "a 'conversations' (from/value or role/content) or 'messages' (role/content) list",
+    "alpaca": "'instruction' and 'output' columns (optional 'input')",
+    "prompt_response": "'prompt' and 'response' columns",
+    "text": "a 'text' column (plain text, loss on every token, no chat template)",
+}
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+          "bard": "assistant", "model": "assistant", "system": "system"}
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+BUILTIN_PROMPTS = [
+    "Explain how a rainbow forms.", "Write a short poem about the sea.", "What are the benefits of regular exercise?",
+    "Give me three tips for learning a new language.", "Describe the water cycle in simple terms.",
+    "What is the difference between weather and climate?", "Write a haiku about autumn leaves.",
+    "How do I make a cup of tea?", "Summarize the plot of Romeo and Juliet.", "What is photosynthesis?",
+    "List five fruits that are high in vitamin C.", "Explain what a computer program is to a child.",
+    "Write a Python function that reverses a string.", "Why is the sky blue?", "How does a bicycle work?",
+    "What should I pack for a weekend camping trip?", "Write a friendly email inviting a colleague to lunch.",
+    "What are the planets in our solar system?", "Give me a recipe for a simple pasta dish.",
+    "How can I improve my sleep?", "Explain gravity in two sentences.", "What is the capital of France?",
+    "Write a short story about a lost dog finding its way home.", "What is machine learning?",
+    "How do plants grow from seeds?", "Suggest a name for a coffee shop and explain why.",
+    "What causes earthquakes?", "Describe your ideal weekend.", "How do vaccines work?",
+    "Write a limerick about a cat.", "What are some ways to save money?", "Explain the rules of chess briefly.",
+]
+
+
+# ---------------------------------------------------------------- loading
+
+def load_records(source: str, split: str = "train"):
+    """A ``datasets.Dataset`` from a local file / directory / saved dataset, or a hub id.
+
+    Raises:
+        FileNotFoundError: a local-looking path that does not exist.
+        ValueError: the hub id cannot be loaded (no network or no such dataset), or the dataset is empty.
+    """
+    import datasets
+
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "dataset_info.json").is_file():
+        records = datasets.load_from_disk(str(path))
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in _FILE_BUILDERS)
+        if not files:
+            raise FileNotFoundError(f"dataset directory {path} holds no json/jsonl/parquet/arrow file")
+        records = datasets.load_dataset(_FILE_BUILDERS[files[0].suffix], data_files=[str(f) for f in files],
+                                        split="train")
+    elif path.is_file():
+        if path.suffix not in _FILE_BUILDERS:
+            raise ValueError(f"dataset file {path}: unsupported extension; use one of {sorted(_FILE_BUILDERS)}")
+        if path.stat().st_size == 0:
+            raise ValueError(f"dataset {source} is empty")
+        records = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+    elif source.startswith((".", "/", "~")) or path.suffix in _FILE_BUILDERS:
+        raise FileNotFoundError(f"dataset file {source} does not exist")
+    else:
+        try:
+            records = datasets.load_dataset(source, split=split)
+        except Exception as e:  # noqa: BLE001 - the hub raises many types; all mean "cannot load this id"
+            raise ValueError(f"cannot load dataset {source!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                             "pass a local json/jsonl/parquet file instead") from None
+    if isinstance(records, datasets.DatasetDict):
+        records = records[split]
+    if len(records) == 0:
+        raise ValueError(f"dataset {source} is empty")
+    return records
+
+
+def detect_format(columns) -> str:
+    """The name of the format (a key of ``FORMATS``) that ``columns`` fit.
+
+    Raises:
+        ValueError: no known format fits (the message names the columns seen and the formats accepted).
+    """
+    columns = set(columns)
+    if columns & {"conversations", "messages"}:
+        return "sharegpt"
+    if {"instruction", "output"} <= columns:
+        return "alpaca"
+    if {"prompt", "response"} <= columns:
+        return "prompt_response"
+    if "text" in columns:
+        return "text"
+    accepted = "; ".join(f"{name}: {what}" for name, what in FORMATS.items())
+    raise ValueError(f"unknown dataset format: columns seen {sorted(columns)}; formats accepted: {accepted}")
+
+
+def to_messages(record: dict, fmt: str) -> list[dict]:
+    """One record as ``[{"role", "content"}, ...]`` (``[]`` for the ``text`` format)."""
+    if fmt == "sharegpt":
+        turns = record.get("conversations") or record.get("messages") or []
+        out = []
+        for turn in turns:
+            role = turn.get("role", turn.get("from"))
+            content = turn.get("content", turn.get("value"))
+            if role not in _ROLES:
+                raise ValueError(f"unknown conversation role {role!r}; known: {sorted(_ROLES)}")
+            out.append({"role": _ROLES[role], "content": content or ""})
+        return out
+    if fmt == "alpaca":
+        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"] or ""}]
+    if fmt == "prompt_response":
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["response"] or ""}]
+    if fmt == "text":
+        return []
+    raise ValueError(f"unknown dataset format {fmt!r}; formats accepted: {sorted(FORMATS)}")
+
+
+# ---------------------------------------------------------------- tokenization
+
+def _template_ids(tokenizer, messages, add_generation_prompt=False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int, assistant_only: bool = True) -> dict:
+    """``{"input_ids", "loss_mask"}`` for one conversation with the chat template applied.
+
+    The mask is exact whatever the template: for every assistant turn ``i`` the templated conversation up to turn
+    ``i`` (with the generation prompt) and up to the end of turn ``i`` are tokenized, and the tokens in between
+    (the reply and its end-of-turn marker) are the assistant's.
+    """
+    ids = _template_ids(tokenizer, messages)
+    mask = [0 if assistant_only else 1] * len(ids)
+    if assistant_only:
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or not message["content"]:
+                continue
+            start = _common_prefix(_template_ids(tokenizer, messages[:i], add_generation_prompt=True), ids)
+            end = _common_prefix(_template_ids(tokenizer, messages[:i + 1]), ids)
+            mask[start:end] = [1] * (end - start)
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
+def tokenize_records(records, tokenizer, *, fmt: str = "auto", max_length: int = 512, assistant_only: bool = True,
+                     num_samples: int | None = None) -> list[dict]:
+    """Tokenize a dataset into ``[{"input_ids", "loss_mask"}]``, dropping examples with nothing to learn.
+
+    Raises:
+        ValueError: an unknown format; no assistant turn in the whole dataset; no example left after truncation;
+            a chat format with a tokenizer that has no chat template.
+    """
+    fmt = detect_format(records.column_names) if fmt == "auto" else fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown dataset format {fmt!r}; formats accepted: {sorted(FORMATS)}")
+    if fmt != "text" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the {fmt} format needs a tokenizer with a chat template; this tokenizer has none")
+    out, saw_assistant = [], False
+    for record in records:
+        if num_samples is not None and len(out) >= num_samples:
+            break
+        if fmt == "text":
+            ids = tokenizer(record["text"], add_special_tokens=True).input_ids[:max_length]
+            example = {"input_ids": ids, "loss_mask": [1] * len(ids)}
+        else:
+            messages = to_messages(record, fmt)
+            if not any(m["role"] == "assistant" and m["content"] for m in messages):
+                continue
+            saw_assistant = True
+            example = tokenize_conversation(tokenizer, messages, max_length=max_length, assistant_only=assistant_only)
+        if sum(example["loss_mask"]) >= 2:
+            out.append(example)
+    if fmt != "text" and not saw_assistant:
+        raise ValueError(f"the dataset ({fmt} format, {len(records)} records) has no assistant turn to train on")
+    if not out:
+        raise ValueError(f"no example has trainable tokens left after truncation to max_length={max_length}")
+    return out
+
+
+def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of tokenized examples into ``input_ids``, ``attention_mask``, ``loss_mask`` [batch, seq]."""
+    width = max(len(e["input_ids"]) for e in examples)
+    batch = {"input_ids": torch.full((len(examples), width), pad_token_id, dtype=torch.long),
+             "attention_mask": torch.zeros(len(examples), width, dtype=torch.long),
+             "loss_mask": torch.zeros(len(examples), width, dtype=torch.long)}
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        batch["input_ids"][row, :n] = torch.as_tensor(e["input_ids"])
+        batch["attention_mask"][row, :n] = 1
+        batch["loss_mask"][row, :n] = torch.as_tensor(e["loss_mask"])
+    return batch
+
+
+# ---------------------------------------------------------------- generation with the base model
+
+def user_turn_prefix(tokenizer) -> tuple[str, str]:
+    """``(prefix, end_of_turn)``: the templated text before a user message's content, and the marker after it."""
+    sentinel = "\u2402SELFSPEC\u2402"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    prefix, _, suffix = text.partition(sentinel)
+    return prefix, suffix.strip() or (tokenizer.eos_token or "")
+
+
+@torch.inference_mode()
+def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 16,
+                     temperature: float = 0.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
+                     seed: int = 0, progress=None) -> list[list[int]]:
+    """Continuations of token-id prompts, batched with left padding (prompts sorted by length to limit padding).
+    Greedy when ``temperature`` is 0. Returns the new tokens of each prompt, in input order, stop token excluded."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_token_ids or [tokenizer.eos_token_id]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, i in enumerate(chunk):
+            input_ids[row, width - len(prompts[i]):] = torch.as_tensor(prompts[i])
+            attention_mask[row, width - len(prompts[i]):] = 1
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(
+            do_sample=False, temperature=None, top_p=None, top_k=None)
+        torch.manual_seed(seed + start)
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **sampling)
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            cut = next((j for j, t in enumerate(new) if t in stops), len(new))
+            results[i] = new[:cut]
+        if progress is not None:
+            progress(len(chunk))
+    return results
+
+
+def self_generated_prompts(model, tokenizer, num_prompts: int, *, max_new_tokens: int = 48, batch_size: int = 16,
+                           temperature: float = 1.0, top_p: float = 0.95, seed: int = 0, progress=None) -> list[str]:
+    """User turns sampled from the model itself: the chat template's user prefix, sampled until end of turn.
+    Empty samples are dropped, so fewer than ``num_prompts`` may come back."""
+    prefix, end_of_turn = user_turn_prefix(tokenizer)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
+    stop = tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn in tokenizer.get_vocab() else None
+    stops = sorted({t for t in (stop, tokenizer.eos_token_id) if t is not None})
+    samples = generate_batched(model, tokenizer, [prefix_ids] * num_prompts, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, temperature=temperature, top_p=top_p, stop_token_ids=stops,
+                               seed=seed, progress=progress)
+    texts = [tokenizer.decode(s, skip_special_tokens=True).strip() for s in samples]
+    return [t for t in texts if t]
+
+
+def prompts_from_source(source: str, num_prompts: int | None = None) -> list[dict]:
+    """``[{"id", "prompt"}]``: the first user turn of every record of a dataset (any format but ``text``)."""
+    records = load_records(source)
+    fmt = detect_format(records.column_names)
+    out = []
+    for index, record in enumerate(records):
+        user = next((m["content"] for m in to_messages(record, fmt) if m["role"] == "user"), None)
+        if user:
+            out.append({"id": str(record.get("id", index)), "prompt": user})
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
+    if not out:
+        raise ValueError(f"dataset {source} has no user turn to use as a prompt")
+    return out
+
+
+def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_prompts: int | None = None,
+                    max_new_tokens: int = 48, temperature: float = 1.0, batch_size: int = 16, seed: int = 0,
+                    progress=None) -> list[dict]:
+    """``[{"id", "prompt"}]`` from ``spec``: ``builtin`` (``BUILTIN_PROMPTS``), ``self`` (sampled from the model
+    once and kept in ``work_dir/prompts/self.jsonl``, so a resumed run answers the same prompts), or a dataset.
+
+    Raises:
+        ValueError: ``self`` without ``num_prompts``, or a dataset without user turns.
+    """
+    from selfspec.io import atomic_write_text
+
+    if spec == "builtin":
+        return [{"id": f"builtin-{i}", "prompt": p} for i, p in enumerate(BUILTIN_PROMPTS[:num_prompts])]
+    if spec != "self":
+        return prompts_from_source(spec, num_prompts)
+    if not num_prompts:
+        raise ValueError("self-generated prompts need a number of prompts (num_prompts)")
+    path = Path(work_dir) / "prompts" / "self.jsonl"
+    if not path.is_file():
+        texts = self_generated_prompts(model, tokenizer, num_prompts, batch_size=batch_size, seed=seed,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, progress=progress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = (json.dumps({"id": f"self-{i}", "prompt": t}) + "\n" for i, t in enumerate(texts))
+        atomic_write_text(path, "".join(lines))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_new_tokens: int = 256,
+            batch_size: int = 16, temperature: float = 0.0, shard_size: int = 64, seed: int = 0,
+            progress=None) -> Path:
+    """The base model answers ``prompts`` (``[{"id", "prompt"}]``); ShareGPT records are appended to
+    ``out_dir/shard-NNNNN.jsonl`` (each written atomically), and ids already in a shard are skipped, so a killed
+    run resumes where it stopped. Returns ``out_dir`` (loadable with ``load_records``)."""
+    from selfspec.io import atomic_write_text
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = sorted(out_dir.glob("shard-*.jsonl"))
+    done = {json.loads(line)["id"] for shard in shards for line in shard.read_text().splitlines() if line.strip()}
+    todo = [p for p in prompts if str(p["id"]) not in done]
+    if progress is not None and len(todo) < len(prompts):
+        progress(len(prompts) - len(todo))
+    encoded = [_template_ids(tokenizer, [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
+               for p in todo]
+    for index, start in enumerate(range(0, len(todo), shard_size), start=len(shards)):
+        part = todo[start:start + shard_size]
+        responses = generate_batched(model, tokenizer, encoded[start:start + shard_size], batch_size=batch_size,
+                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start,
+                                     progress=progress)
+        lines = [json.dumps({"id": str(p["id"]), "conversations": [
+            {"from": "human", "value": p["prompt"]},
+            {"from": "gpt", "value": tokenizer.decode(r, skip_special_tokens=True)}]}) for p, r in zip(part, responses)]
+        atomic_write_text(out_dir / f"shard-{index:05d}.jsonl", "\n".join(lines) + "\n")
+    return out_dir

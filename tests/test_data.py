@@ -1,0 +1,166 @@
+"""selfspec.data: formats, chat-template loss masks, clear errors on bad data, resumable self-distillation."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from selfspec import data as D
+from selfspec.training import byte_tokenizer, load_base_model
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def masked_text(tokenizer, example):
+    return tokenizer.decode([t for t, m in zip(example["input_ids"], example["loss_mask"]) if m])
+
+
+FORMAT_ROWS = {
+    "sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello!"}]},
+    "sharegpt_roles": {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]},
+    "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]},
+    "alpaca": {"instruction": "hi", "input": "", "output": "hello!"},
+    "prompt_response": {"prompt": "hi", "response": "hello!"},
+}
+
+
+@pytest.mark.parametrize("name", FORMAT_ROWS)
+def test_every_chat_format_masks_exactly_the_reply(tmp_path, tokenizer, name):
+    path = write_jsonl(tmp_path / "d.jsonl", [FORMAT_ROWS[name]] * 3)
+    examples = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=256)
+    assert len(examples) == 3
+    text = tokenizer.decode(examples[0]["input_ids"])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello!<|im_end|>\n"
+    # The reply and its end-of-turn marker are trained; the template and the user turn are not.
+    assert masked_text(tokenizer, examples[0]) == "hello!<|im_end|>\n"
+
+
+def test_alpaca_input_joins_the_instruction(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Add", "input": "1 and 2", "output": "3"}])
+    (example,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=256)
+    assert "Add\n\n1 and 2" in tokenizer.decode(example["input_ids"])
+
+
+def test_multi_turn_masks_every_assistant_turn_and_nothing_else(tmp_path, tokenizer):
+    conv = [{"from": "system", "value": "be brief"}, {"from": "human", "value": "a?"}, {"from": "gpt", "value": "A."},
+            {"from": "human", "value": "b?"}, {"from": "gpt", "value": "B."}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": conv}])
+    (example,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=512)
+    assert masked_text(tokenizer, example) == "A.<|im_end|>\nB.<|im_end|>\n"
+    (everything,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=512, assistant_only=False)
+    assert all(everything["loss_mask"])
+
+
+def test_plain_text_trains_every_token_and_truncates(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "x" * 100}])
+    (example,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=40)
+    assert len(example["input_ids"]) == 40 and all(example["loss_mask"])
+
+
+def test_parquet_and_explicit_format(tmp_path, tokenizer):
+    path = tmp_path / "d.parquet"
+    pd.DataFrame([FORMAT_ROWS["prompt_response"]] * 2).to_parquet(path)
+    examples = D.tokenize_records(D.load_records(str(path)), tokenizer, fmt="prompt_response", max_length=64)
+    assert len(examples) == 2
+
+
+def test_collate_right_pads():
+    batch = D.collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], 0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+# ---------------------------------------------------------------- bad input: clear errors
+
+def test_missing_file_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        D.load_records("./no/such/data.jsonl")
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        D.load_records(str(tmp_path / "empty.jsonl"))
+
+
+def test_unknown_format_names_the_columns_and_the_formats(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(ValueError) as err:
+        D.tokenize_records(D.load_records(str(path)), tokenizer)
+    message = str(err.value)
+    assert "['answer', 'question']" in message
+    assert all(name in message for name in D.FORMATS)
+
+
+def test_no_assistant_turn_is_a_clear_error(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}] * 2)
+    with pytest.raises(ValueError, match="no assistant turn"):
+        D.tokenize_records(D.load_records(str(path)), tokenizer)
+
+
+def test_unknown_role_is_a_clear_error(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": [{"from": "narrator", "value": "hi"}]}])
+    with pytest.raises(ValueError, match="unknown conversation role 'narrator'"):
+        D.tokenize_records(D.load_records(str(path)), tokenizer)
+
+
+# ---------------------------------------------------------------- data from the model itself
+
+def test_user_turn_prefix(tokenizer):
+    assert D.user_turn_prefix(tokenizer) == ("<|im_start|>user\n", "<|im_end|>")
+
+
+def test_self_generated_prompts_are_sampled_and_kept(tmp_path):
+    model, tokenizer = load_base_model("tiny:llama")
+    prompts = D.resolve_prompts("self", model, tokenizer, tmp_path, num_prompts=3, max_new_tokens=8)
+    assert len(prompts) == 3 and all(p["prompt"] for p in prompts)
+    assert len({p["prompt"] for p in prompts}) == 3  # sampled, not greedy: different prompts
+    # A second call (a resumed run) reads the same prompts back instead of sampling new ones.
+    assert D.resolve_prompts("self", model, tokenizer, tmp_path, num_prompts=3) == prompts
+
+
+def test_batched_left_padded_generation_equals_one_at_a_time():
+    model, tokenizer = load_base_model("tiny:llama")
+    prompts = [tokenizer("ab").input_ids, tokenizer("a much longer prompt").input_ids]
+    batched = D.generate_batched(model, tokenizer, prompts, max_new_tokens=6, batch_size=2)
+    single = [D.generate_batched(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+    assert batched == single
+
+
+def test_distill_resumes_without_redoing_or_duplicating(tmp_path):
+    model, tokenizer = load_base_model("tiny:llama")
+    prompts = [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(5)]
+    D.distill(model, tokenizer, prompts, tmp_path, max_new_tokens=4, shard_size=2)
+    shards = sorted(tmp_path.glob("shard-*.jsonl"))
+    assert len(shards) == 3
+    shards[-1].unlink()  # as if killed before the last shard
+    answered = []
+    D.distill(model, tokenizer, prompts, tmp_path, max_new_tokens=4, shard_size=2, progress=answered.append)
+    assert answered == [4, 1]  # 4 skipped as done, 1 generated
+    records = D.load_records(str(tmp_path))
+    assert sorted(records["id"]) == [f"p{i}" for i in range(5)]
+    examples = D.tokenize_records(records, tokenizer, max_length=128)
+    assert len(examples) == 5
+
+
+@pytest.mark.real_model
+def test_smollm2_template_masks_the_reply_not_its_default_system_prompt(tmp_path):
+    from transformers import AutoTokenizer
+    from selfspec.models import resolve_model
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    path = write_jsonl(tmp_path / "d.jsonl", [FORMAT_ROWS["sharegpt"]])
+    (example,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=256)
+    assert "You are a helpful AI assistant" in tokenizer.decode(example["input_ids"])  # the template's default
+    assert masked_text(tokenizer, example) == "hello!<|im_end|>\n"
+    assert D.user_turn_prefix(tokenizer)[0].endswith("<|im_start|>user\n")

@@ -1,0 +1,237 @@
+"""train/medusa.py on a tiny random Llama: smoke tests per recipe, trainable-parameter contracts, bad input before
+training, 1 vs 2 processes, and kill -9 + --resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train/medusa.py"
+TINY = ROOT / "configs/medusa/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("recipe_medusa", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
+    rows = []
+    for i in range(n):
+        picks = torch.randint(len(words), (6,), generator=g).tolist()
+        reply = " ".join(words[j] for j in picks) + " " + " ".join(words[j] for j in picks)
+        rows.append({"id": i, "conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": reply}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    return ["--config", str(TINY), f"output_dir={tmp_path / 'run'}", f"data.source={data}", "data.eval_samples=2",
+            *extra]
+
+
+def run_recipe(recipe, argv):
+    parsed = recipe.T.parse_recipe_args(argv, "test")
+    r = recipe.MedusaRecipe(recipe.T.load_config(recipe.RecipeConfig, parsed.config, parsed.overrides), parsed.resume)
+    r.setup()
+    r.train()
+    return r
+
+
+@pytest.mark.parametrize("method, extra", [("medusa1", []), ("medusa1", ["cache_hidden_states=false"]),
+                                           ("medusa2", ["heads_warmup_steps=0"]), ("medusa2", ["base_loss=kl"])])
+def test_two_steps_on_a_repeated_batch_lower_the_loss(recipe, tmp_path, method, extra):
+    # 6 examples, 2 held out, batch 4: every step sees the same 4 examples.
+    data = conversations(tmp_path / "d.jsonl", 6)
+    r = run_recipe(recipe, args(tmp_path, data, f"method={method}", "optim.max_steps=2", "optim.epochs=2", *extra))
+    first, second = (h["loss"] for h in r.history)
+    assert second < first, r.history
+    if method == "medusa2" and "base_loss=kl" in extra:
+        # LoRA starts as the identity (B = 0): the adapted model is the frozen one, KL exactly 0, then it moves.
+        assert r.history[0]["base_loss"] == pytest.approx(0, abs=1e-6) and r.history[1]["base_loss"] >= 0
+    elif method == "medusa2":
+        assert all(h["base_loss"] > 0 for h in r.history)
+
+
+def test_trainable_parameters_are_exactly_the_recipes(recipe, tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 6)
+    r1 = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=1"))
+    names = {n for n, p in r1.model.named_parameters() if p.requires_grad}
+    assert names == {"heads.resblock_weight", "heads.resblock_bias"}
+    r2 = run_recipe(recipe, args(tmp_path, data, "method=medusa2", "optim.max_steps=1", f"output_dir={tmp_path / 'm2'}"))
+    names = {n for n, p in r2.model.named_parameters() if p.requires_grad}
+    assert {"heads.resblock_weight", "heads.resblock_bias"} < names
+    assert all("lora_" in n for n in names - {"heads.resblock_weight", "heads.resblock_bias"})
+    r2.model.backbone.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    with pytest.raises(AssertionError, match="LoRA"):
+        r2._check_trainable()
+
+
+def test_cached_hidden_states_give_the_same_loss_as_running_the_base(recipe, tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 10)
+    cached = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=2", f"output_dir={tmp_path / 'a'}"))
+    live = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=2", "cache_hidden_states=false",
+                                   f"output_dir={tmp_path / 'b'}"))
+    for a, b in zip(cached.history, live.history):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_main_saves_loadable_heads_with_accuracies(recipe, tmp_path):
+    from medusa.heads import MedusaHeads
+    data = conversations(tmp_path / "d.jsonl", 10)
+    metrics = recipe.main(args(tmp_path, data, "optim.max_steps=3"))
+    heads_dir = tmp_path / "run" / "heads"
+    model, _ = recipe.T.load_base_model("tiny:llama")
+    heads = MedusaHeads.from_pretrained(heads_dir, model)
+    torch.testing.assert_close(torch.tensor(heads.config.head_accuracy), torch.tensor(metrics["head_accuracy"]))
+    assert len(heads.config.head_accuracy) == 3 and all(len(row) == 10 for row in heads.config.head_accuracy)
+    assert all(0 <= sum(row) <= 1 for row in heads.config.head_accuracy)
+    assert heads.config.tree and heads.config.training["command"].endswith("optim.max_steps=3")
+    assert "top-1" in (heads_dir / "README.md").read_text()
+    assert set(load_file(str(heads_dir / "model.safetensors"))) == {"resblock_weight", "resblock_bias"}
+
+
+# ---------------------------------------------------------------- bad input fails before training
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "empty"),
+    ([{"question": "q", "answer": "a"}], "unknown dataset format"),
+    ([{"conversations": [{"from": "human", "value": "hi"}]}], "no assistant turn"),
+])
+def test_bad_data_fails_before_training(recipe, tmp_path, rows, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=message):
+        recipe.main(args(tmp_path, data))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_num_heads_below_one_fails_before_training(recipe, tmp_path):
+    with pytest.raises(ValueError, match="num_heads must be an integer >= 1"):
+        recipe.main(args(tmp_path, tmp_path / "unused.jsonl", "heads.num_heads=0"))
+
+
+# ---------------------------------------------------------------- processes, kill and resume (subprocesses)
+
+def launch(argv: list[str], *, processes: int = 1, wrapper: str | None = None, check: bool = True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if processes > 1:
+        # `accelerate launch --cpu --num_processes N` starts ONE process in accelerate 1.x (its simple launcher);
+        # --multi_gpu spawns N, and ACCELERATE_USE_CPU keeps them on the CPU (DDP over gloo).
+        env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), *argv]
+    elif wrapper:
+        cmd = [sys.executable, "-c", wrapper, *argv]
+    else:
+        cmd = [sys.executable, str(SCRIPT), *argv]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 18)
+    common = ["optim.max_steps=3", "data.eval_samples=2"]
+    launch(args(tmp_path, data, *common, "optim.batch_size=4", f"output_dir={tmp_path / 'one'}"))
+    two = launch(args(tmp_path, data, *common, "optim.batch_size=2", f"output_dir={tmp_path / 'two'}"), processes=2)
+    assert "2 processes" in two.stdout
+    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-4)
+    one = load_file(str(tmp_path / "one/heads/model.safetensors"))
+    two = load_file(str(tmp_path / "two/heads/model.safetensors"))
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5)
+
+
+# Runs the recipe, but SIGKILLs itself in the middle of writing the second checkpoint (state files written, the
+# directory not yet complete): the harshest moment to die.
+KILL_DURING_SECOND_CHECKPOINT = """
+import os, runpy, signal, sys
+import accelerate
+save_state, calls = accelerate.Accelerator.save_state, []
+def dying_save_state(self, output_dir=None, **kwargs):
+    calls.append(output_dir)
+    result = save_state(self, output_dir, **kwargs)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+accelerate.Accelerator.save_state = dying_save_state
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_ends_with_the_same_heads(tmp_path):
+    from selfspec.io import is_complete
+    data = conversations(tmp_path / "d.jsonl", 14)
+    common = ["optim.max_steps=6", "optim.schedule=cosine", "optim.warmup_steps=1", "logging.save_every=2",
+              "data.eval_samples=2"]
+    launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
+    killed = args(tmp_path, data, *common, f"output_dir={tmp_path / 'killed'}")
+    result = launch(killed, wrapper=KILL_DURING_SECOND_CHECKPOINT.format(script=str(SCRIPT)), check=False)
+    assert result.returncode == -9, result.stderr[-3000:]
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    visible = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
+    assert visible == ["step-00000002"] and is_complete(checkpoints / visible[0])
+    assert any(p.name.startswith(".step-00000004") for p in checkpoints.iterdir())  # the half-written one, hidden
+    assert not (tmp_path / "killed" / "heads").exists()
+    launch([*killed, "--resume"])
+    straight = load_file(str(tmp_path / "straight/heads/model.safetensors"))
+    resumed = load_file(str(tmp_path / "killed/heads/model.safetensors"))
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+    assert losses(tmp_path / "killed")[-2:] == pytest.approx(losses(tmp_path / "straight")[-2:], rel=1e-5)
+    assert all(is_complete(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_chunked_cross_entropy_matches_the_plain_loss_and_gradients(weight_grad):
+    from selfspec.training import chunked_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=weight_grad)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=weight_grad)
+    targets = torch.randint(50, (37,), generator=g)
+    plain = torch.nn.functional.cross_entropy(features @ weight.T + bias, targets, reduction="sum")
+    expected = torch.autograd.grad(3 * plain, [features, weight, bias] if weight_grad else [features])
+    chunked = chunked_cross_entropy(features, weight, targets, chunk_size=10, bias=bias)
+    got = torch.autograd.grad(3 * chunked, [features, weight, bias] if weight_grad else [features])
+    torch.testing.assert_close(chunked.double(), plain, rtol=1e-6, atol=1e-6)
+    for e, a in zip(expected, got):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)  # logits are formed in float32
+
+
+@pytest.mark.slow
+def test_wandb_logs_offline_without_an_account(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 8)
+    env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    result = subprocess.run([sys.executable, str(SCRIPT), *args(tmp_path, data, "optim.max_steps=2",
+                                                               "logging.report_to=wandb")],
+                            cwd=ROOT, env={**env_free, "WANDB_SILENT": "true"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))

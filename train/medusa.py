@@ -1,0 +1,398 @@
+"""Train Medusa heads on a base model: Medusa-1 (frozen backbone, heads only) or Medusa-2 (LoRA backbone + heads).
+
+    accelerate launch train/medusa.py --config configs/medusa/smollm2-135m.yaml [key=value ...] [--resume]
+    python train/medusa.py --config configs/medusa/tiny.yaml optim.max_steps=2
+    accelerate launch --multi_gpu --num_processes 2 train/medusa.py --config ...   # 2 processes (DDP; CPU if no GPU)
+
+(``accelerate launch --cpu --num_processes 2`` starts a single process in accelerate 1.x; see above for two.)
+
+Head ``k`` at position ``t`` learns the token at ``t + k + 2``; its loss is weighted ``head_decay ** k``. The final
+heads (config.json + model.safetensors + README with per-head accuracies) go to ``heads_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+# This script is itself named medusa.py: drop its folder from the import path so `medusa` is the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from medusa.heads import MedusaHeads  # noqa: E402
+from selfspec import training as T  # noqa: E402
+from selfspec.data import collate  # noqa: E402
+
+HEAD_ACCURACY_TOP_K = 10  # ranks measured per head; tree calibration reads them
+
+
+@dataclasses.dataclass
+class HeadsConfig:
+    num_heads: int = 4  # heads; head k drafts the token k + 2 ahead
+    num_layers: int = 1  # ResBlocks per head
+    share_lm_head: bool = True  # reuse the base LM head (not saved); False: a private, trained head each
+
+    def __post_init__(self):
+        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
+            raise ValueError(f"heads.num_heads must be an integer >= 1, got {self.num_heads!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"heads.num_layers must be an integer >= 1, got {self.num_layers!r}")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA scaling numerator
+    dropout: float = 0.0  # LoRA dropout
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])  # adapted layers
+
+
+@dataclasses.dataclass
+class MedusaRecipeConfig:
+    model: str = "smollm2-135m-instruct"  # alias, hub id or local path; tiny:<arch> for a tiny random test model
+    output_dir: str = "runs/medusa"  # checkpoints, data, metrics.jsonl, logs
+    heads_dir: str | None = None  # final heads (None: <output_dir>/heads)
+    seed: int = 0  # seeds data order, sampling and initialisation
+    num_threads: int | None = None  # torch CPU threads per process (None: torch's default; 1 on a busy machine)
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir (same as --resume)
+    method: str = "medusa1"  # medusa1: frozen backbone | medusa2: LoRA backbone + heads
+    cache_hidden_states: bool = True  # medusa1: run the base once, keep its hidden states on disk for every epoch
+    head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
+    loss_chunk_size: int = 1024  # positions per LM-head matmul in the loss (memory: chunk x vocab floats)
+    base_loss: str = "lm"  # medusa2: lm (next-token loss on the data) | kl (KL to the frozen base) | none
+    base_loss_weight: float = 1.0  # medusa2: weight of the base loss
+    heads_loss_weight: float = 0.2  # medusa2: weight of the heads' loss after warm-up (medusa1: always 1)
+    heads_warmup_steps: int = 0  # medusa2: steps over which the heads' weight ramps linearly from 0
+    tree_size: int = 16  # nodes of the default tree saved with the heads (from the measured accuracies)
+    heads: HeadsConfig = dataclasses.field(default_factory=HeadsConfig)  # head shape
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # medusa2 adapters
+    data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)  # training data
+    optim: T.OptimConfig = dataclasses.field(default_factory=T.OptimConfig)  # optimizer and schedule
+    logging: T.LoggingConfig = dataclasses.field(default_factory=T.LoggingConfig)  # trackers, checkpoints
+
+    def __post_init__(self):
+        if self.method not in ("medusa1", "medusa2"):
+            raise ValueError(f"method must be medusa1 or medusa2, got {self.method!r}")
+        if self.base_loss not in ("lm", "kl", "none"):
+            raise ValueError(f"base_loss must be lm, kl or none, got {self.base_loss!r}")
+
+
+class MedusaModel(nn.Module):
+    """Backbone + heads as one module, so DDP/FSDP see (and synchronise) every trainable parameter."""
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads):
+        super().__init__()
+        self.backbone, self.heads = backbone, heads
+
+    def forward(self, input_ids=None, attention_mask=None, hidden_states=None):
+        if hidden_states is None:
+            trainable = any(p.requires_grad for p in self.backbone.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and trainable):
+                hidden_states = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden_states, self.heads.features(hidden_states)  # [b, s, h], [heads, b, s, h]
+
+
+def head_targets(batch: dict, k: int):
+    """``(rows, cols, targets)`` of head ``k``: positions ``t`` whose token ``t + k + 2`` is a trained token."""
+    shift = k + 2
+    valid = batch["loss_mask"][:, shift:].bool() & batch["attention_mask"][:, :-shift].bool()
+    rows, cols = valid.nonzero(as_tuple=True)
+    return rows, cols, batch["input_ids"][:, shift:][rows, cols]
+
+
+RecipeConfig = MedusaRecipeConfig  # the name tests/test_configs.py looks for in every recipe
+
+
+class MedusaRecipe:
+    def __init__(self, cfg: MedusaRecipeConfig, resume: bool = False, argv: list[str] | None = None):
+        self.cfg, self.resume, self.argv = cfg, resume, sys.argv[1:] if argv is None else argv
+        self.output_dir = Path(cfg.output_dir)
+        self.heads_dir = Path(cfg.heads_dir or self.output_dir / "heads")
+
+    # ------------------------------------------------------------ setup
+    def setup(self):
+        cfg = self.cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.accelerator = acc = T.make_accelerator(self.output_dir, cfg.logging.report_to,
+                                                    cfg.optim.gradient_accumulation_steps, cfg.seed)
+        self.base, self.tokenizer = T.load_base_model(cfg.model)
+        self.base.requires_grad_(False)
+        self.train_examples, self.eval_examples = T.prepare_examples(
+            cfg.data, self.base, self.tokenizer, self.output_dir / "data", acc, cfg.seed)
+        heads = MedusaHeads.for_model(self.base, dtype=torch.float32, **dataclasses.asdict(cfg.heads))
+        backbone = self.base.get_decoder()
+        if cfg.method == "medusa2":
+            from peft import LoraConfig, get_peft_model
+            lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                              target_modules=list(cfg.lora.target_modules))
+            self.peft = get_peft_model(self.base, lora)  # injects adapters in place: backbone now runs them
+        self.model = MedusaModel(backbone, heads)
+        self._check_trainable()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.hidden_cache = self._hidden_cache() if cfg.method == "medusa1" and cfg.cache_hidden_states else None
+        global_batch = cfg.optim.batch_size * acc.num_processes
+        step_examples = global_batch * cfg.optim.gradient_accumulation_steps
+        self.steps_per_epoch = max(1, len(self.train_examples) // step_examples)
+        self.total_steps = min(cfg.optim.max_steps or 10**12, self.steps_per_epoch * cfg.optim.epochs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, T.lr_lambda(cfg.optim, self.total_steps))
+        if acc.state.deepspeed_plugin is not None:  # batches are cut by hand, so DeepSpeed cannot infer their size
+            acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.optim.batch_size
+        self.model, self.optimizer, self.scheduler = acc.prepare(self.model, optimizer, scheduler)
+        self.step = 0
+        if self.resume and (ckpt := T.latest_checkpoint(self.output_dir)) is not None:
+            self.step = T.load_checkpoint(acc, ckpt)["step"]
+            acc.print(f"resumed from {ckpt} (step {self.step})")
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(T.config_to_dict(cfg), indent=2))
+        acc.init_trackers(cfg.logging.project, config=T.flat_config(cfg))
+        trainable, total = T.count_parameters(self.model)
+        acc.print(f"{cfg.method}: {len(self.train_examples)} train / {len(self.eval_examples)} eval examples, "
+                  f"{self.total_steps} steps, {acc.num_processes} processes, "
+                  f"trainable {trainable:,} of {total:,} parameters")
+
+    def _check_trainable(self):
+        heads = {id(p) for p in self.model.heads.parameters()}
+        for name, p in self.model.named_parameters():
+            if name.startswith("heads."):
+                assert p.requires_grad, f"head parameter {name} is frozen"
+            elif self.cfg.method == "medusa1":
+                assert not p.requires_grad, f"medusa1 trains only the heads, but {name} is trainable"
+            else:
+                assert p.requires_grad == ("lora_" in name), f"medusa2 trains LoRA + heads only; {name} disagrees"
+        assert heads and all(p.requires_grad for p in self.model.heads.parameters())
+
+    @torch.no_grad()
+    def _hidden_cache(self) -> list[torch.Tensor]:
+        """Base hidden states of every training example, computed once (by the main process) and kept on disk."""
+        import safetensors.torch
+        from selfspec.io import atomic_write_bytes
+        acc = self.accelerator
+        path = self.output_dir / "data" / f"hidden-{_examples_digest(self.train_examples)}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if acc.is_main_process and not path.is_file():
+            states = {}
+            for start in tqdm(range(0, len(self.train_examples), 8), desc="caching hidden states"):
+                chunk = self.train_examples[start:start + 8]
+                batch = collate(chunk, self.pad_id)
+                hidden = self.model.backbone(input_ids=batch["input_ids"],
+                                             attention_mask=batch["attention_mask"]).last_hidden_state
+                for i, e in enumerate(chunk):
+                    states[str(start + i)] = hidden[i, :len(e["input_ids"])].contiguous()
+            atomic_write_bytes(path, safetensors.torch.save(states))
+        acc.wait_for_everyone()
+        states = safetensors.torch.load_file(str(path))
+        return [states[str(i)] for i in range(len(self.train_examples))]
+
+    # ------------------------------------------------------------ loss
+    def _batch(self, indices: list[int]) -> dict:
+        batch = collate([self.train_examples[i] for i in indices], self.pad_id)
+        if self.hidden_cache is not None:
+            hidden = torch.zeros(len(indices), batch["input_ids"].shape[1], self.hidden_cache[0].shape[-1])
+            for row, i in enumerate(indices):
+                hidden[row, :len(self.hidden_cache[i])] = self.hidden_cache[i]
+            batch["hidden_states"] = hidden
+        return batch
+
+    def _counts(self, batch: dict) -> torch.Tensor:
+        """``[heads + 1]`` target counts: one per head, then the base next-token targets."""
+        counts = [len(head_targets(batch, k)[0]) for k in range(self.cfg.heads.num_heads)]
+        counts.append(int((batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()).sum()))
+        return torch.tensor(counts, dtype=torch.float32)
+
+    def heads_weight(self) -> float:
+        if self.cfg.method == "medusa1":
+            return 1.0
+        ramp = 1.0 if self.cfg.heads_warmup_steps <= 0 else min(1.0, self.step / self.cfg.heads_warmup_steps)
+        return self.cfg.heads_loss_weight * ramp
+
+    def loss(self, batch: dict, denominators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed losses over this process's batch divided by the global per-process denominators, so gradients
+        averaged over processes equal the mean over all targets. Returns (total, per-term [heads + 1])."""
+        cfg, unwrapped = self.cfg, self.accelerator.unwrap_model(self.model)
+        hidden, features = self.model(batch["input_ids"], batch["attention_mask"], batch.get("hidden_states"))
+        terms = []
+        for k in range(cfg.heads.num_heads):
+            rows, cols, targets = head_targets(batch, k)
+            weight, bias = _lm_head(unwrapped.heads, k)
+            terms.append(T.chunked_cross_entropy(features[k, rows, cols], weight, targets, cfg.loss_chunk_size, bias)
+                         / denominators[k])
+        total = self.heads_weight() * sum(cfg.head_decay ** k * t for k, t in enumerate(terms))
+        base_term = torch.zeros(())
+        if cfg.method == "medusa2" and cfg.base_loss != "none":
+            valid = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+            lm_head = self.base.get_output_embeddings()
+            positions = hidden[:, :-1][valid]  # [n, hidden]
+            if cfg.base_loss == "lm":
+                base_term = T.chunked_cross_entropy(positions, lm_head.weight, batch["input_ids"][:, 1:][valid],
+                                                    cfg.loss_chunk_size, lm_head.bias)
+            else:
+                with torch.no_grad(), self.peft.disable_adapter():
+                    frozen = unwrapped.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                base_term = T.chunked_kl(positions, frozen.last_hidden_state[:, :-1][valid], lm_head.weight,
+                                         cfg.loss_chunk_size, lm_head.bias)
+            base_term = base_term / denominators[-1]
+            total = total + cfg.base_loss_weight * base_term
+        return total, torch.stack([t.detach() for t in terms] + [base_term.detach()])
+
+    # ------------------------------------------------------------ train
+    def _step_batches(self, step: int) -> list[list[int]]:
+        """This process's micro-batches of optimizer step ``step``: a per-epoch seeded permutation, cut into global
+        batches, of which process ``i`` takes slice ``i`` (the same examples in total however many processes)."""
+        o, acc = self.cfg.optim, self.accelerator
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        micro, out = o.batch_size * acc.num_processes, []
+        for m in range(o.gradient_accumulation_steps):
+            start = (within * o.gradient_accumulation_steps + m) * micro + acc.process_index * o.batch_size
+            out.append(order[start:start + o.batch_size].tolist())
+        return out
+
+    def train(self):
+        cfg, acc = self.cfg, self.accelerator
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.method, disable=not acc.is_local_main_process)
+        self.model.train()
+        self.history = []
+        started = time.time()
+        while self.step < self.total_steps:
+            batches = [self._batch(ix) for ix in self._step_batches(self.step)]
+            denominators = T.global_mean_denominator(acc, sum(self._counts(b) for b in batches))
+            logged = torch.zeros(cfg.heads.num_heads + 1)
+            loss_sum = 0.0
+            for m, batch in enumerate(batches):
+                sync = m == len(batches) - 1
+                with (acc.no_sync(self.model) if not sync else contextlib.nullcontext()):
+                    loss, terms = self.loss(batch, denominators)
+                    acc.backward(loss)
+                loss_sum += loss.detach().item()
+                logged += terms
+            if cfg.optim.max_grad_norm:
+                acc.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            loss_all = acc.reduce(torch.tensor(loss_sum), reduction="mean").item()
+            terms_all = acc.reduce(logged, reduction="mean")
+            record = {"step": self.step, "loss": loss_all, "lr": self.scheduler.get_last_lr()[0],
+                      **{f"head{k}_loss": terms_all[k].item() for k in range(cfg.heads.num_heads)}}
+            if cfg.method == "medusa2":
+                record.update(base_loss=terms_all[-1].item(), heads_weight=self.heads_weight())
+            self.history.append(record)
+            if self.step % cfg.logging.log_every == 0 or self.step == self.total_steps:
+                acc.log(record, step=self.step)
+                self._append_metrics(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_all:.3f}")
+            if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        self.train_seconds = time.time() - started
+
+    def save_checkpoint(self):
+        T.save_checkpoint(self.accelerator, self.output_dir, self.step, {"config": T.config_to_dict(self.cfg)},
+                          keep_last=self.cfg.logging.keep_last)
+
+    # ------------------------------------------------------------ evaluate and save
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Per-head accuracy by rank on the held-out split (and the base model's own next-token top-1)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped.eval()
+        k_heads, counts = self.cfg.heads.num_heads, torch.zeros(self.cfg.heads.num_heads, HEAD_ACCURACY_TOP_K)
+        totals, base_hits, base_total = torch.zeros(k_heads), 0, 0
+        for start in range(0, len(self.eval_examples), self.cfg.optim.batch_size):
+            batch = collate(self.eval_examples[start:start + self.cfg.optim.batch_size], self.pad_id)
+            hidden, features = unwrapped(batch["input_ids"], batch["attention_mask"])
+            for k in range(k_heads):
+                rows, cols, targets = head_targets(batch, k)
+                weight, bias = _lm_head(unwrapped.heads, k)
+                counts[k] += T.chunked_rank_counts(features[k, rows, cols], weight, targets, HEAD_ACCURACY_TOP_K,
+                                                   self.cfg.loss_chunk_size, bias)
+                totals[k] += len(targets)
+            valid = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+            lm_head = self.base.get_output_embeddings()
+            base_hits += int(T.chunked_rank_counts(hidden[:, :-1][valid], lm_head.weight,
+                                                   batch["input_ids"][:, 1:][valid], 1, self.cfg.loss_chunk_size,
+                                                   lm_head.bias)[0])
+            base_total += int(valid.sum())
+        accuracy = (counts / totals.clamp(min=1)[:, None]).tolist()
+        return {"head_accuracy": accuracy, "top1": [row[0] for row in accuracy],
+                "top5": [sum(row[:5]) for row in accuracy], "base_top1": base_hits / max(1, base_total),
+                "eval_targets": totals.long().tolist()}
+
+    def save_heads(self, metrics: dict):
+        cfg, acc = self.cfg, self.accelerator
+        if not acc.is_main_process:
+            return
+        from medusa.trees import default_tree
+        heads = acc.unwrap_model(self.model).heads
+        heads.config.head_accuracy = metrics["head_accuracy"]
+        heads.config.tree = default_tree(metrics["head_accuracy"], size=cfg.tree_size)
+        launcher = "accelerate launch" if "LOCAL_RANK" in os.environ else "python"
+        heads.config.training = {
+            "command": f"{launcher} train/medusa.py {' '.join(shlex.quote(a) for a in self.argv)}",
+            "recipe": T.config_to_dict(cfg),
+            "metrics": {"top1": metrics["top1"], "top5": metrics["top5"], "base_top1": metrics["base_top1"],
+                        "eval_targets": metrics["eval_targets"], "train_examples": len(self.train_examples),
+                        "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
+                        "steps": self.step, "processes": acc.num_processes,
+                        "final_loss": self.history[-1]["loss"] if self.history else None},
+        }
+        heads.save_pretrained(self.heads_dir)  # config.json carries the recipe, the command and the metrics
+        if cfg.method == "medusa2":  # the heads were trained on the adapted backbone: keep the adapter with them
+            self.peft.save_pretrained(str(self.output_dir / "lora"))
+        acc.print(f"heads saved to {self.heads_dir}; top-1 per head: {[round(a, 3) for a in metrics['top1']]}")
+
+    def _append_metrics(self, record: dict):
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def cleanup(self):
+        self.accelerator.end_training()
+
+
+def _lm_head(heads: MedusaHeads, k: int):
+    """``(weight [vocab, hidden], bias or None)`` of head ``k``'s LM head (the shared base head or its own)."""
+    if heads.shared_lm_head is not None:
+        return heads.shared_lm_head.weight, getattr(heads.shared_lm_head, "bias", None)
+    return heads.lm_head_weight[k], None if heads.lm_head_bias is None else heads.lm_head_bias[k]
+
+
+def _examples_digest(examples: list[dict]) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps(e["input_ids"]).encode())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = T.parse_recipe_args(argv, __doc__.splitlines()[0])
+    cfg = T.load_config(MedusaRecipeConfig, args.config, args.overrides)
+    recipe = MedusaRecipe(cfg, resume=args.resume or cfg.resume, argv=argv)
+    recipe.setup()
+    recipe.train()
+    metrics = recipe.evaluate()
+    recipe._append_metrics({"step": recipe.step, **metrics})
+    recipe.accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=recipe.step)
+    recipe.save_heads(metrics)
+    recipe.cleanup()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
