@@ -187,6 +187,20 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
+def step_batches(num_examples: int, step: int, steps_per_epoch: int, optim: OptimConfig, accelerator,
+                 seed: int = 0) -> list[list[int]]:
+    """This process's micro-batches of optimizer step ``step``: a per-epoch seeded permutation cut into global
+    batches, of which process ``i`` takes slice ``i``. The same examples are seen in total however many processes
+    run, and a resumed run sees exactly the batches the uninterrupted run would have."""
+    epoch, within = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+    micro, out = optim.batch_size * accelerator.num_processes, []
+    for m in range(optim.gradient_accumulation_steps):
+        start = (within * optim.gradient_accumulation_steps + m) * micro + accelerator.process_index * optim.batch_size
+        out.append(order[start:start + optim.batch_size].tolist())
+    return out
+
+
 def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, accelerator, seed: int = 0):
     """``(train, eval)`` tokenized examples for a recipe. Self-distilled data (and self-generated prompts) are made
     once by the main process under ``work_dir`` and reused when the run resumes.

@@ -180,16 +180,8 @@ class EarlyExitRecipe:
 
     # ------------------------------------------------------------ train
     def _step_batches(self, step: int) -> list[list[int]]:
-        """This process's micro-batches of optimizer step ``step`` (a per-epoch seeded permutation, so a resumed
-        run sees exactly the batches the uninterrupted run would have)."""
-        o, acc = self.cfg.optim, self.accelerator
-        epoch, within = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
-        micro, out = o.batch_size * acc.num_processes, []
-        for m in range(o.gradient_accumulation_steps):
-            start = (within * o.gradient_accumulation_steps + m) * micro + acc.process_index * o.batch_size
-            out.append(order[start:start + o.batch_size].tolist())
-        return out
+        return T.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
+                              self.cfg.seed)
 
     def train(self):
         cfg, acc = self.cfg, self.accelerator
