@@ -21,13 +21,15 @@ test: install
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The main job on the embedded default: train Medusa heads with the default recipe (self-generated, self-distilled
-# data; no dataset or hub needed), then answer a sample prompt with and without them. `make demo DEMO_TRAIN=0`
+# data; no dataset or hub needed), calibrate their tree to this machine, then answer a sample prompt with and without them. `make demo DEMO_TRAIN=0`
 # skips training and uses the committed heads.
 DEMO_DIR ?= runs/demo
 DEMO_TRAIN ?= 1
 demo: install
 ifeq ($(DEMO_TRAIN),1)
 	$(PY) train/medusa.py --config configs/medusa/smollm2-135m.yaml output_dir=$(DEMO_DIR) heads_dir=$(DEMO_DIR)/heads
+	# Pick the tree that is fastest on this machine (verification cost differs a lot between CPUs and GPUs).
+	$(PY) -m selfspec.cli calibrate --heads $(DEMO_DIR)/heads --sizes 1,2,3,4,6,8,16 --repeats 5 --no-measure
 	$(PY) -m selfspec.cli demo --heads $(DEMO_DIR)/heads
 else
 	$(PY) -m selfspec.cli demo
