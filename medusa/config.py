@@ -31,6 +31,8 @@ class MedusaConfig:
         head_accuracy: ``[num_heads][top_k]``: P(the rank-``r`` candidate of head ``k`` is the target token), measured
             on held-out data. Not cumulative: the top-5 accuracy of head ``k`` is ``sum(head_accuracy[k][:5])``.
         training: recipe and metrics of the run that made the heads (written into the heads' README).
+        backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
+            model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
 
     Raises:
         ValueError: ``num_heads`` or ``num_layers`` below 1, a negative size, or ``head_accuracy`` / ``tree`` that
@@ -46,6 +48,7 @@ class MedusaConfig:
     tree: list[list[int]] | None = None
     head_accuracy: list[list[float]] | None = None
     training: dict[str, Any] = field(default_factory=dict)
+    backbone_adapter: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):

@@ -52,8 +52,8 @@ def resolve_tree(tree: TreeSpec, heads: MedusaHeads) -> TreeTemplate:
             if not isinstance(parsed, list):
                 raise ValueError(f"tree {tree!r} holds no list of choices")
             tree = parsed
-    if tree is None:
-        tree = config.tree or DEFAULT_TREE_SIZE
+    if tree is None:  # an empty saved tree is a choice (calibration found no tree that pays), not a missing one
+        tree = config.tree if config.tree is not None else DEFAULT_TREE_SIZE
     if isinstance(tree, int) and not isinstance(tree, bool):
         tree = default_tree(config.head_accuracy, tree, num_heads=config.num_heads)
     template = tree if isinstance(tree, TreeTemplate) else TreeTemplate(tree)
@@ -102,15 +102,19 @@ class MedusaDrafter(DrafterBase):
 
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,
-         dtype: torch.dtype | None = None) -> MedusaDrafter:
+         dtype: torch.dtype | None = None, merge_adapter: bool = False) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
+
+    Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
+    ``selfspec.models.load_model(heads_dir)``, or pass ``merge_adapter=True`` to merge the adapter into
+    ``base_model`` in place. Either way, decoding then reproduces the adapted model's own greedy output.
 
     Raises:
         FileNotFoundError: the heads directory or one of its files is missing.
         selfspec.identity.BaseModelMismatchError: the heads were trained for another base model.
         ValueError: an invalid heads directory or tree.
     """
-    heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype)
+    heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
     return MedusaDrafter(heads, tree=tree, dynamic=dynamic)
 
 

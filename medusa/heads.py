@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from selfspec.identity import base_model_identity, check_base_model
+from selfspec.adapters import copy_backbone_adapter, resolve_backbone
+from selfspec.identity import base_model_identity
 from selfspec.io import atomic_directory
 
 from .card import render_readme
@@ -126,26 +127,43 @@ class MedusaHeads(nn.Module):
         heads = cls(config, lm_head)
         return heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, *, backbone_adapter: str | Path | None = None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (the heads' own weights only) and ``README.md`` to
-        ``directory``, atomically: a crash leaves either the old directory or the complete new one."""
+        ``directory``, atomically: a crash leaves either the old directory or the complete new one.
+
+        ``backbone_adapter``: a folder written by ``selfspec.adapters.export_backbone_adapter`` (Medusa-2), copied
+        into the directory in the same atomic write; ``config.backbone_adapter`` must describe it.
+
+        Raises:
+            ValueError: an adapter folder without ``config.backbone_adapter``, or the other way round.
+        """
         directory = Path(directory)
+        if (backbone_adapter is None) != (self.config.backbone_adapter is None):
+            raise ValueError("save_pretrained: pass the adapter folder exactly when config.backbone_adapter is set")
         state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
         with atomic_directory(directory) as tmp:
             tmp = Path(tmp)
+            if backbone_adapter is not None:
+                copy_backbone_adapter(backbone_adapter, tmp)
             self.config.save(tmp)
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             (tmp / README_NAME).write_text(render_readme(self.config))
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, base_model: nn.Module, *,
-                        dtype: torch.dtype | None = None) -> MedusaHeads:
+    def from_pretrained(cls, directory: str | Path, base_model: nn.Module, *, dtype: torch.dtype | None = None,
+                        merge_adapter: bool = False) -> MedusaHeads:
         """Load heads saved by ``save_pretrained`` onto ``base_model`` (whose LM head they share).
 
+        Medusa-2 heads belong to the base with their LoRA adapter merged: ``base_model`` must be that adapted
+        model (``selfspec.models.load_model(directory)`` loads it), or the plain base with ``merge_adapter=True``,
+        which merges the adapter into ``base_model`` in place.
+
         Raises:
-            FileNotFoundError: the directory, its ``config.json`` or its ``model.safetensors`` does not exist.
-            selfspec.identity.BaseModelMismatchError: the heads were trained for another base model.
+            FileNotFoundError: the directory, its ``config.json``, its ``model.safetensors`` or its adapter does not
+                exist.
+            selfspec.identity.BaseModelMismatchError: the heads were trained for another base model (or for the
+                adapted one, and the plain base was given without ``merge_adapter``).
             ValueError: an invalid config, or weights that do not match it.
         """
         directory = Path(directory)
@@ -155,7 +173,8 @@ class MedusaHeads(nn.Module):
         weights = directory / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"Medusa heads weights {weights} do not exist")
-        check_base_model(config.base_model, base_model, what=f"Medusa heads {directory}")
+        resolve_backbone(base_model, directory, config.base_model, what=f"Medusa heads {directory}",
+                         merge_adapter=merge_adapter)
         lm_head = _output_embeddings(base_model)
         # Cast before loading: loading first would round float64 weights through the float32 init.
         heads = cls(config, lm_head).to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)

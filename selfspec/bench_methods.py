@@ -3,7 +3,8 @@
 
 Built in: ``vanilla`` (HF greedy ``generate``, the baseline), ``hf-pld[:N]`` (HF prompt lookup, N draft tokens),
 ``hf-early-exit:E`` (HF ``assistant_early_exit=E``). Every drafter in ``decoding.available_drafters()`` is a method
-too (``none``, ``medusa:DIR``, ``early-exit:DIR``, ``layer-skip:DIR``...), run through ``decoding.generate``.
+too (``none``, ``medusa:DIR``, ``early-exit:DIR``, ``layer-skip:DIR``...), run through ``decoding.generate``. Any
+spec may end in ``@stock`` / ``@onednn`` to run on that linear backend (``selfspec.kernels``) instead of the run's.
 """
 
 from __future__ import annotations
@@ -79,13 +80,33 @@ def parse_method(spec: str, **options: Any) -> Method:
     """
     from decoding.drafter import available_drafters
 
-    name, _, arg = spec.strip().partition(":")
+    body, at, backend = spec.strip().rpartition("@") if "@" in spec else (spec.strip(), "", "")
+    if at:
+        from .kernels import BACKENDS
+        if backend not in BACKENDS:
+            raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
+                             f"(choose one of {', '.join(BACKENDS)})")
+        return BackendMethod(spec.strip(), parse_method(body, **options), backend)
+    name, _, arg = body.partition(":")
     arg = arg or None
     if name in _METHODS:
         return _METHODS[name](arg, options)
     if name in available_drafters():
-        return DrafterMethod(spec.strip(), name, arg, options)
+        return DrafterMethod(body, name, arg, options)
     raise KeyError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+
+
+class BackendMethod:
+    """``METHOD@BACKEND``: ``METHOD`` with the model's linear layers on another backend (``selfspec.kernels``) for
+    the duration of each generation, e.g. ``vanilla@stock`` beside a run on oneDNN."""
+
+    def __init__(self, name: str, inner: Method, backend: str):
+        self.name, self.inner, self.backend = name, inner, backend
+
+    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
+        from .kernels import linear_backend
+        with linear_backend(model, self.backend):
+            return self.inner.generate(model, input_ids, settings)
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:

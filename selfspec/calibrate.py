@@ -12,6 +12,7 @@ deeper trees draft slower) plus an optional fixed overhead. The chosen tree maxi
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ from medusa.trees import default_tree, expected_accept_length
 
 from .bench import Prompt, mean_tau
 from .bench_methods import GenSettings, parse_method
-from .io import atomic_write_text
+from .io import MARKER, atomic_directory
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_NAME = "calibration.json"
@@ -135,7 +136,7 @@ def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Seque
               heads_dir: str | Path | None = None, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
               overhead_s: float = 0.0, fit_linear: bool = False, seed: int = 0) -> tuple[Candidate, list[Candidate]]:
     """``(best, candidates)``: every candidate tree with its predicted tau and measured latencies; the best is the
-    non-empty tree with the highest ``predicted_tau / (verify + draft + overhead_s)``. The draft latency is
+    tree (possibly the empty one, when ``0`` is among ``sizes``) with the highest ``predicted_tau / (verify + draft + overhead_s)``. The draft latency is
     measured with the Medusa drafter of ``heads_dir``, and counted as 0 without one. ``fit_linear`` replaces the
     verification medians by a least-squares line in the number of tokens (steadier on a busy machine)."""
     choices = candidate_trees(head_accuracy, sizes)
@@ -155,7 +156,8 @@ def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Seque
     for n, c in choices.items():
         tau = 1.0 + (expected_accept_length(c, head_accuracy) if c else 0.0)
         candidates.append(Candidate(n, c, tau, latency[n], draft[n], tau / (latency[n] + draft[n] + overhead_s)))
-    best = max((c for c in candidates if c.size), key=lambda c: c.tokens_per_s)
+    # The empty tree (plain decoding) competes too: heads that do not pay for their tree on this machine get none.
+    best = max(candidates, key=lambda c: c.tokens_per_s)
     return best, candidates
 
 
@@ -165,9 +167,14 @@ def save_tree(heads_dir: str | Path, best: Candidate, report: dict) -> Path:
     heads_dir = Path(heads_dir)
     config = MedusaConfig.load(heads_dir)
     config.tree = best.choices
-    atomic_write_text(heads_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
-    atomic_write_text(heads_dir / "README.md", render_readme(config))
-    atomic_write_text(heads_dir / CALIBRATION_NAME, json.dumps(report, indent=2) + "\n")
+    # Rewritten as a whole directory, so its completion marker (file list and sizes) stays true.
+    with atomic_directory(heads_dir) as tmp:
+        for item in heads_dir.iterdir():
+            if item.name != MARKER:
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        (tmp / "README.md").write_text(render_readme(config))
+        (tmp / CALIBRATION_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return heads_dir / "config.json"
 
 

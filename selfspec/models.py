@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import os
 import re
@@ -73,7 +74,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     """Load ``(model, tokenizer)`` in eval mode from an alias, a local directory, a ``.gguf`` file or a hub id.
 
     An alias is converted into the cache on first use (see the module docstring); its model's ``name_or_path``
-    is the alias, so ``load_model(model.name_or_path)`` loads it again.
+    is the alias, so ``load_model(model.name_or_path)`` loads it again. A draft-module directory (Medusa heads, an
+    exit classifier) trained with a backbone adapter loads as its base model with that adapter merged
+    (``selfspec.adapters``): the model those heads decode.
 
     Raises:
         UnknownModelError: ``name`` is not an alias, an existing path, or an ``org/name`` hub id.
@@ -83,6 +86,15 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .adapters import adapter_spec, apply_backbone_adapter, base_model_name
+
+    if name not in ALIASES and Path(name).expanduser().is_dir() and (spec := adapter_spec(Path(name).expanduser())):
+        # A draft-module directory whose training adapted the backbone (Medusa-2, LayerSkip): the model it decodes
+        # losslessly is its base with the saved LoRA adapter merged in.
+        directory = Path(name).expanduser()
+        model, tokenizer = load_model(base_model_name(directory), dtype=dtype, device=device)
+        identity = json.loads((directory / "config.json").read_text())["base_model"]
+        return apply_backbone_adapter(model, directory, spec, identity, what=f"draft module {directory}"), tokenizer
     if name in ALIASES:
         model, tokenizer = _load_alias(ALIASES[name], dtype)
     elif Path(name).expanduser().is_file() and name.endswith(".gguf"):

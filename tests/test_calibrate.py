@@ -57,7 +57,8 @@ def test_calibrate_command_writes_the_tree(tmp_path, capsys):
     heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=3, head_accuracy=ACCURACY)
     heads.save_pretrained(tmp_path)
     rc = main(["calibrate", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama", "--sizes", "1,4,8",
-               "--repeats", "1", "--prefix-length", "16", "--limit", "1", "--max-new-tokens", "8"])
+               "--repeats", "1", "--prefix-length", "16", "--limit", "1", "--max-new-tokens", "8",
+               "--overhead-ms", "50"])  # a real model's step cost, so that drafting pays on this tiny one
     assert rc == 0
     config = MedusaConfig.load(tmp_path)
     report = json.loads((tmp_path / "calibration.json").read_text())
@@ -71,6 +72,23 @@ def test_calibrate_command_writes_the_tree(tmp_path, capsys):
     from decoding import make_drafter
 
     assert make_drafter("medusa", tiny_model("llama"), str(tmp_path)).template.choices == config.tree
+
+
+def test_plain_decoding_wins_when_every_tree_costs_more_than_it_gains(monkeypatch, tmp_path):
+    from decoding import make_drafter
+    from selfspec.io import is_complete
+
+    # Any tree triples the step time and no tree reaches tau 3: the empty tree must win and be saved as such.
+    monkeypatch.setattr(cal, "verify_latencies", lambda model, trees, **_: {n: 1.0 if n == 0 else 3.0 for n in trees})
+    model = tiny_model("llama")
+    best, candidates = cal.calibrate(model, ACCURACY, [1, 2, 4])
+    assert best.size == 0 and best.choices == [] and all(c.predicted_tau < 3 for c in candidates)
+    heads = MedusaHeads.for_model(model, num_heads=3, head_accuracy=ACCURACY, tree=[[0], [1]])
+    heads.save_pretrained(tmp_path)
+    cal.save_tree(tmp_path, best, cal.report_dict(best, candidates))
+    assert MedusaConfig.load(tmp_path).tree == []
+    assert make_drafter("medusa", model, str(tmp_path)).template.choices == []  # not the default tree
+    assert is_complete(tmp_path, check_sizes=True)  # rewritten as a whole: the completion marker is still true
 
 
 def test_draft_cost_enters_the_choice(monkeypatch):

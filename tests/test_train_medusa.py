@@ -107,6 +107,57 @@ def test_main_saves_loadable_heads_with_accuracies(recipe, tmp_path):
     assert set(load_file(str(heads_dir / "model.safetensors"))) == {"resblock_weight", "resblock_bias"}
 
 
+def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_losslessly(recipe, tmp_path, capsys):
+    import decoding
+    import medusa
+    from selfspec.identity import BaseModelMismatchError
+    from selfspec.models import load_model
+
+    # A local base directory, so that the heads record a name load_model can resolve again.
+    base, tokenizer = recipe.T.load_base_model("tiny:llama")
+    base_dir = tmp_path / "base"
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    data = conversations(tmp_path / "d.jsonl", 10)
+    recipe.main(args(tmp_path, data, f"model={base_dir}", "method=medusa2", "optim.max_steps=3", "optim.lr=0.05",
+                     "lora.target_modules=[q_proj,v_proj,o_proj]"))
+    heads_dir = tmp_path / "run" / "heads"
+    assert (heads_dir / "backbone_adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "run" / "lora").exists()
+    config = medusa.MedusaConfig.load(heads_dir)
+    assert config.backbone_adapter["path"] == "backbone_adapter"
+    assert config.backbone_adapter["adapted_model"]["fingerprint"] != config.base_model["fingerprint"]
+    assert "Medusa-2" in (heads_dir / "README.md").read_text()
+
+    plain, _ = load_model(str(base_dir))
+    with pytest.raises(BaseModelMismatchError, match="LoRA adapter.*load_model"):
+        medusa.load(plain, heads_dir)
+    other, _ = recipe.T.load_base_model("tiny:qwen2")
+    with pytest.raises(BaseModelMismatchError):
+        medusa.load(other, heads_dir, merge_adapter=True)
+
+    adapted, _ = load_model(str(heads_dir))  # base + merged adapter
+    prompt = torch.tensor([tokenizer("<|im_start|>user\nsay 3<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
+    expected = adapted.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    # The LoRA really moved the model: the plain base writes another continuation.
+    assert plain.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24).tolist() != expected.tolist()
+    merged_in_place = medusa.load(plain, heads_dir, merge_adapter=True)  # plain is now the adapted model
+    drafter = medusa.load(adapted, heads_dir, tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    for model, d in ((adapted, drafter), (plain, merged_in_place)):
+        out = decoding.generate(model, d, prompt, max_new_tokens=24, eos_token_id=None)
+        assert out.sequences.tolist() == expected.tolist()
+
+    # The command line needs no --model: Medusa-2 heads name the adapted model they decode.
+    from selfspec.cli import main as cli
+    from selfspec.prompts import encode_prompt
+    assert cli(["generate", "--draft", "medusa", "--heads", str(heads_dir), "--prompt", "say 3", "--max-new-tokens",
+                "10", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = encode_prompt(tokenizer, "say 3")
+    reference = adapted.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    assert record["token_ids"] == reference[0, ids.shape[1]:].tolist()
+
+
 # ---------------------------------------------------------------- bad input fails before training
 
 @pytest.mark.parametrize("rows, message", [

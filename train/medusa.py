@@ -343,9 +343,14 @@ class MedusaRecipe:
                         "steps": self.step, "processes": acc.num_processes,
                         "final_loss": self.history[-1]["loss"] if self.history else None},
         }
-        heads.save_pretrained(self.heads_dir)  # config.json carries the recipe, the command and the metrics
-        if cfg.method == "medusa2":  # the heads were trained on the adapted backbone: keep the adapter with them
-            self.peft.save_pretrained(str(self.output_dir / "lora"))
+        if cfg.method == "medusa1":
+            heads.save_pretrained(self.heads_dir)  # config.json carries the recipe, the command and the metrics
+        else:  # the heads were trained on the adapted backbone: the adapter is saved with them, in one atomic write
+            import tempfile
+            from selfspec.adapters import export_backbone_adapter
+            with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
+                heads.config.backbone_adapter, _ = export_backbone_adapter(self.peft, staging)
+                heads.save_pretrained(self.heads_dir, backbone_adapter=staging)
         acc.print(f"heads saved to {self.heads_dir}; top-1 per head: {[round(a, 3) for a in metrics['top1']]}")
 
     def _append_metrics(self, record: dict):

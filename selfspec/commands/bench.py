@@ -19,12 +19,29 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and synthetic prompts")
+    add_backend_argument(parser)
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--linear-backend", default="auto", choices=["auto", "stock", "onednn"],
+                        help="library for the linear layers (selfspec.kernels); auto (default) times both on "
+                             "this machine and keeps the faster")
+
+
+def apply_backend(model, args: argparse.Namespace) -> str:
+    """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
+    from ..kernels import set_linear_backend
+    backend = set_linear_backend(model, args.linear_backend)
+    print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else ""), flush=True)
+    return backend
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark decoding methods against HF greedy generate",
                               description=__doc__ + "\n\nMethods: vanilla, hf-pld[:N], hf-early-exit:E, and every "
-                              "registered drafter as NAME[:DIR] (for example medusa:DIR, early-exit:DIR, none).",
+                              "registered drafter as NAME[:DIR] (for example medusa:DIR, early-exit:DIR, none). Every method runs on "
+                              "--linear-backend; METHOD@stock or METHOD@onednn runs one method on another backend "
+                              "(vanilla@stock shows the stock baseline).",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
     p.add_argument("--methods", default="vanilla,hf-pld,none", help="comma-separated method specs")
@@ -45,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [s for s in args.methods.split(",") if s.strip()]
     methods = [parse_method(s) for s in specs]  # fail on a bad spec before loading anything
     model, tokenizer = load_model(args.model)
+    backend = apply_backend(model, args)
     prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer), args.temperature, args.top_k, args.top_p,
                            args.seed)
@@ -52,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                               progress=not args.quiet)
     config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "num_prompts": len(prompts),
               "methods": list(bench_run.generations), **{k: v for k, v in settings.__dict__.items()},
-              "warmup_tokens": args.warmup_tokens, **environment()}
+              "warmup_tokens": args.warmup_tokens, "linear_backend": backend, **environment()}
     results = {"methods": summarize(model, bench_run), "config": config}
     paths = write_results(results, args.out)
     print(markdown_table(results))

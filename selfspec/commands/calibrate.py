@@ -10,7 +10,7 @@ import torch
 from ..bench import eos_of, load_model, load_prompts
 from ..bench_methods import GenSettings
 from ..calibrate import DEFAULT_SIZES, calibrate, check_accuracy, measure_tau, report_dict, save_tree
-from .bench import add_common_arguments
+from .bench import add_common_arguments, apply_backend
 
 
 def register(subparsers) -> None:
@@ -39,9 +39,12 @@ def run(args: argparse.Namespace) -> int:
     accuracy = check_accuracy(config.head_accuracy, f"{args.heads}/config.json")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     model, tokenizer = load_model(args.model)
+    backend = apply_backend(model, args)
     best, candidates = calibrate(model, accuracy, sizes, heads_dir=args.heads, prefix_length=args.prefix_length,
                                  repeats=args.repeats, overhead_s=args.overhead_ms / 1000,
                                  fit_linear=args.fit_linear, seed=args.seed)
+    if best.size == 0:
+        print("no tree beats plain decoding on this machine with these heads: saving the empty tree")
     print("nodes | predicted tau | verify ms | draft ms | predicted tokens/s")
     for c in candidates:
         mark = "  <- chosen" if c is best else ""
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run:
         report = report_dict(best, candidates, measured_tau=measured, model=args.model,
                              prefix_length=args.prefix_length, repeats=args.repeats, overhead_ms=args.overhead_ms,
-                             fit_linear=args.fit_linear,
+                             fit_linear=args.fit_linear, linear_backend=backend,
                              prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens)
         path = save_tree(args.heads, best, report)
         print(f"saved the {best.size}-node tree into {path} (details in calibration.json)")

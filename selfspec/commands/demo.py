@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import add_backend_argument
+
 #: Where the committed heads for the embedded default model live, relative to the repository root.
 DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -29,14 +31,16 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="answer a prompt with and without Medusa heads, compare speed and text",
                               description=__doc__)
     p.add_argument("--heads", help=f"Medusa heads directory (default: the committed {DEFAULT_HEADS})")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"alias, hub id or path of the base model (default {DEFAULT_MODEL}); tiny:ARCH for a test model")
+    p.add_argument("--model", default=None,
+                   help=f"alias, hub id or path of the base model (default {DEFAULT_MODEL}, or the adapted model of "
+                        "Medusa-2 heads); tiny:ARCH for a test model")
     p.add_argument("--prompt", default=SAMPLE_PROMPT, help="the user turn to answer (chat template applied)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", help="draft tree: a size (8, 16, 32...), a JSON list of choices, or a JSON file "
                                   "(default: the tree saved with the heads)")
     p.add_argument("--dynamic", type=int, help="keep only the N most confident nodes of the tree at every step")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    add_backend_argument(p)
     p.set_defaults(func=run)
 
 
@@ -60,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import decoding
     import medusa
     from selfspec.prompts import encode_prompt
+    from selfspec.adapters import adapter_spec
+    from selfspec.kernels import set_linear_backend
     from selfspec.training import load_base_model
 
     if args.max_new_tokens < 1:
@@ -70,13 +76,16 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(
             f"no Medusa heads at {heads_dir}; train them first (python train/medusa.py --config "
             "configs/medusa/smollm2-135m.yaml) or pass --heads DIR")
+    if args.model is None:  # Medusa-2 heads decode their adapted model (base + merged LoRA): their directory loads it
+        args.model = str(heads_dir) if adapter_spec(heads_dir) else DEFAULT_MODEL
     model, tokenizer = load_base_model(args.model)
     model.eval()
+    backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
     drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on heads for another model
     input_ids = encode_prompt(tokenizer, args.prompt)
     eos = tokenizer.eos_token_id
     print(f"model {args.model}, heads {heads_dir} ({drafter.heads.config.num_heads} heads, "
-          f"tree of {len(drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}), {input_ids.shape[1]} prompt tokens, {args.threads} threads")
+          f"tree of {len(drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}), {input_ids.shape[1]} prompt tokens, {args.threads} threads, linear backend {backend}")
     print(f"prompt: {args.prompt}\n")
 
     with torch.inference_mode():

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from .bench import add_backend_argument
+
 
 def parse_options(pairs: list[str]) -> dict:
     """``["tree_size=16", "threshold=0.5"]`` -> ``{"tree_size": 16, "threshold": 0.5}`` (values parsed as YAML)."""
@@ -46,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    add_backend_argument(p)
     p.set_defaults(func=run)
 
 
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from decoding import generate, make_drafter
+    from selfspec.adapters import adapter_spec
+    from selfspec.kernels import set_linear_backend
     from selfspec.models import DEFAULT_MODEL, load_model
     from selfspec.prompts import encode_prompt, read_prompts
 
@@ -64,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts, args.limit)
     else:
         raise ValueError("give --prompt TEXT or --prompts FILE.jsonl")
-    model, tokenizer = load_model(args.model or DEFAULT_MODEL)
+    model_name = args.model or DEFAULT_MODEL
+    if args.model is None and args.heads and adapter_spec(args.heads):
+        model_name = args.heads  # heads trained with a LoRA backbone (Medusa-2, LayerSkip) decode the adapted model
+    model, tokenizer = load_model(model_name)
+    set_linear_backend(model, args.linear_backend)
     drafter = make_drafter(args.draft, model, args.heads, **parse_options(args.draft_option))
     for item in prompts:
         input_ids = encode_prompt(tokenizer, item["prompt"], chat=not args.no_chat)

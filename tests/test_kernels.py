@@ -1,0 +1,105 @@
+"""selfspec.kernels: the oneDNN linear backend changes how matmuls run, never what the model is or decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decoding
+from decoding.testing import RandomDrafter
+from selfspec.identity import base_model_identity
+from selfspec.kernels import linear_backend, linear_backend_of, onednn_available, set_linear_backend
+from selfspec.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+
+
+def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
+def test_onednn_logits_match_stock_and_decoding_stays_lossless(arch, monkeypatch):
+    calls = []
+    kernel = torch._C._nn.mkldnn_linear
+    monkeypatch.setattr(torch._C._nn, "mkldnn_linear", lambda *a: calls.append(1) or kernel(*a))
+    model = tiny_model(arch, dtype=torch.float32)
+    ids = _prompt(model.config.vocab_size, 12, 0)
+    with torch.inference_mode():
+        stock = model(ids).logits
+        identity = base_model_identity(model)
+        assert set_linear_backend(model, "onednn") == "onednn"
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(calls) == linears  # every linear layer of the forward ran on oneDNN
+    assert base_model_identity(model) == identity  # parameters untouched: heads still recognise the model
+    for seed, length in [(1, 3), (2, 17)]:
+        prompt = _prompt(model.config.vocab_size, length, seed)
+        expected = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        # Random trees that often hold the true continuation, so that deep paths are accepted and verified.
+        drafter = RandomDrafter(model.config.vocab_size, size=6, seed=seed, reference=expected, hit_rate=0.7)
+        out = decoding.generate(model, drafter, prompt, max_new_tokens=20, eos_token_id=None)
+        assert out.sequences.tolist() == expected.tolist() and out.stats.tau > 1.5
+
+
+def test_training_and_other_dtypes_keep_the_stock_path():
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "onednn")
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, 5, layer.in_features)
+    y = layer(x)  # gradients on: stock F.linear, differentiable
+    assert y.requires_grad and torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    y.sum().backward()
+    assert layer.weight.grad is not None
+    double = tiny_model("llama", dtype=torch.float64)  # float64: oneDNN has no float64 kernels; the stock path must be taken
+    set_linear_backend(double, "onednn")
+    layer = double.model.layers[0].mlp.up_proj
+    x = torch.randn(3, layer.in_features, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_changed_weight_is_repacked():
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "onednn")
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(4, layer.in_features)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2.0)  # in place (an adapter merge does this): the packed copy is stale now
+        after = layer(x)
+        torch.testing.assert_close(after, 2 * before, rtol=1e-4, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.zeros_like(layer.weight))  # replaced
+        assert torch.count_nonzero(layer(x) - (layer.bias if layer.bias is not None else 0)) == 0
+
+
+def test_switching_back_and_the_context_manager_restore_the_stock_forward():
+    model = tiny_model("llama", dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with linear_backend(model, "onednn") as active:
+        assert active == "onednn" and linear_backend_of(model) == "onednn"
+        assert all("forward" in m.__dict__ for m in linears)
+    assert linear_backend_of(model) == "stock" and not any("forward" in m.__dict__ for m in linears)
+    assert set_linear_backend(model, "auto") in ("stock", "onednn")
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        set_linear_backend(model, "fast")
+
+
+def test_bench_method_suffix_selects_a_backend():
+    from selfspec.bench_methods import BackendMethod, GenSettings, parse_method
+
+    method = parse_method("vanilla@stock")
+    assert isinstance(method, BackendMethod) and method.name == "vanilla@stock" and method.backend == "stock"
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        parse_method("vanilla@turbo")
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "onednn")
+    seen = []
+    hook = model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda module, args: seen.append("forward" in module.__dict__))
+    prompt = _prompt(model.config.vocab_size, 5, 3)
+    gen = parse_method("none@stock").generate(model, prompt, GenSettings(max_new_tokens=4))
+    hook.remove()
+    assert len(gen.tokens) == 4 and seen and not any(seen)  # ran on the stock path
+    assert linear_backend_of(model) == "onednn"  # and the run's backend is back afterwards
