@@ -31,6 +31,9 @@ class MedusaConfig:
         head_accuracy: ``[num_heads][top_k]``: P(the rank-``r`` candidate of head ``k`` is the target token), measured
             on held-out data. Not cumulative: the top-5 accuracy of head ``k`` is ``sum(head_accuracy[k][:5])``.
         training: recipe and metrics of the run that made the heads (written into the heads' README).
+        draft_vocab_size: draft from only this many LM-head rows (the most frequent tokens of the training data,
+            saved with the weights): the heads' top-k costs ``draft_vocab_size / vocab_size`` of a full LM-head
+            product. ``None``: the full vocabulary. Verification always scores the full vocabulary.
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
             model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
 
@@ -49,16 +52,24 @@ class MedusaConfig:
     head_accuracy: list[list[float]] | None = None
     training: dict[str, Any] = field(default_factory=dict)
     backbone_adapter: dict[str, Any] | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be an integer >= 1, got {value!r}")
-        for name in ("hidden_size", "vocab_size"):
+        for name in ("hidden_size", "vocab_size", "draft_vocab_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer or None, got {value!r}")
+        if self.draft_vocab_size is not None:
+            if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+                raise ValueError(f"MedusaConfig.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary of "
+                                 f"{self.vocab_size}")
+            if not self.share_lm_head:
+                raise ValueError("MedusaConfig.draft_vocab_size needs share_lm_head=True (private heads score their "
+                                 "own full LM heads)")
         if self.head_accuracy is not None:
             self.head_accuracy = [[float(p) for p in row] for row in self.head_accuracy]
             if len(self.head_accuracy) != self.num_heads:

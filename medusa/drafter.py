@@ -59,8 +59,9 @@ def resolve_tree(tree: TreeSpec, heads: MedusaHeads) -> TreeTemplate:
     template = tree if isinstance(tree, TreeTemplate) else TreeTemplate(tree)
     if template.max_depth > config.num_heads:
         raise ValueError(f"tree is {template.max_depth} deep but there are only {config.num_heads} Medusa heads")
-    if template.max_rank > config.vocab_size:
-        raise ValueError(f"tree uses rank {template.max_rank - 1}, beyond the vocabulary of {config.vocab_size}")
+    ranks = config.draft_vocab_size or config.vocab_size
+    if template.max_rank > ranks:
+        raise ValueError(f"tree uses rank {template.max_rank - 1}, beyond the heads' draft vocabulary of {ranks}")
     return template
 
 
@@ -93,12 +94,16 @@ class MedusaDrafter(DrafterBase):
             raise RuntimeError("MedusaDrafter needs the last hidden state (hidden_layers=(-1,)) in DecodeState.hidden")
         if self._depth == 0:
             return None
+        heads = self.heads
         with torch.no_grad():
-            logits = self.heads(hidden[:, -1:], num_heads=self._depth).reshape(self._depth, -1)  # [depth, vocab]
+            features = heads.features(hidden[:, -1:], num_heads=self._depth)
+            logits = heads.draft_logits(features).reshape(self._depth, -1)  # [depth, vocab or draft vocab]
             if self.selector is None:
-                return self.template.fill(logits.topk(self._ranks, dim=-1).indices)  # [depth, ranks]
+                top = logits.topk(self._ranks, dim=-1).indices  # [depth, ranks]
+                return self.template.fill(top if heads.draft_vocab is None else heads.draft_vocab[top])
             top = logits.log_softmax(dim=-1).topk(self._ranks, dim=-1)
-            return self.selector.select(top.indices, top.values)
+            ids = top.indices if heads.draft_vocab is None else heads.draft_vocab[top.indices]
+            return self.selector.select(ids, top.values)
 
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,

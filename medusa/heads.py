@@ -69,6 +69,12 @@ class MedusaHeads(nn.Module):
             self.lm_head_bias = None
             if base_bias is not None:
                 self.lm_head_bias = nn.Parameter(base_bias.detach().unsqueeze(0).repeat(heads, 1))  # [head, vocab]
+        if config.draft_vocab_size:
+            # Token ids of the reduced draft vocabulary, most frequent first (set by training; saved with the heads).
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._draft_weight: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -101,6 +107,42 @@ class MedusaHeads(nn.Module):
         out = torch.bmm(flat, weight) if self.lm_head_bias is None else torch.baddbmm(
             self.lm_head_bias[:k].unsqueeze(1), flat, weight)
         return out.reshape(k, *lead, -1)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Set the reduced draft vocabulary (``config.draft_vocab_size`` distinct ids, most frequent first).
+
+        Raises:
+            ValueError: the heads have no draft vocabulary, or the ids are the wrong number, repeat, or fall outside
+                the vocabulary.
+        """
+        if self.draft_vocab is None:
+            raise ValueError("these heads draft from the full vocabulary (config.draft_vocab_size is None)")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if token_ids.numel() != self.draft_vocab.numel() or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(f"draft vocabulary: need {self.draft_vocab.numel()} distinct ids, got "
+                             f"{token_ids.numel()} ({token_ids.unique().numel()} distinct)")
+        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary: ids must be in 0..{self.config.vocab_size - 1}")
+        self.draft_vocab.copy_(token_ids)
+        self._draft_weight = None
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """``[k, ..., hidden]`` head features -> ``[k, ..., draft_vocab_size]`` logits over the draft vocabulary
+        (column ``j`` is token ``draft_vocab[j]``); the full ``logits`` without a draft vocabulary."""
+        if self.draft_vocab is None:
+            return self.logits(features)
+        head = self.shared_lm_head
+        if self._draft_weight is None or self._draft_weight.device != features.device:
+            # Gathered once: slicing the rows every step would cost as much as the product it saves.
+            self._draft_weight = head.weight.detach()[self.draft_vocab].contiguous()
+        flat = features.reshape(-1, features.shape[-1]).to(self._draft_weight.dtype)
+        # weight @ x.T: for the few rows of a draft this GEMM shape is fast with every CPU BLAS (x @ weight.T is
+        # not, for 2-3 rows); the drafter's rounding never affects what verification accepts.
+        out = (self._draft_weight @ flat.T).T
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            out = out + bias[self.draft_vocab]
+        return out.reshape(*features.shape[:-1], -1)
 
     def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """``[batch, seq, hidden]`` -> ``[num_heads, batch, seq, vocab]``: head ``k``'s logits for position

@@ -190,6 +190,20 @@ def tokenize_records(records, tokenizer, *, fmt: str = "auto", max_length: int =
     return out
 
 
+def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent trained tokens (``loss_mask`` set) of tokenized ``examples``, most frequent first,
+    topped up with unseen ids in id order: the reduced draft vocabulary of a drafter."""
+    from collections import Counter
+
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
+    counts = Counter(t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m)
+    ranked = [t for t, _ in counts.most_common(size)]
+    seen = set(ranked)
+    ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad a list of tokenized examples into ``input_ids``, ``attention_mask``, ``loss_mask`` [batch, seq]."""
     width = max(len(e["input_ids"]) for e in examples)

@@ -245,6 +245,43 @@ def test_drafter_proposes_each_heads_top_k_in_the_tree(tiny_llama64, tree):
         assert int(draft.tokens[i]) == int(head_logits.topk(rank + 1).indices[rank])
 
 
+def test_reduced_draft_vocabulary(tiny_llama64, tmp_path):
+    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=2, draft_vocab_size=40))
+    vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]
+    heads.set_draft_vocab(vocab)
+    drafter = MedusaDrafter(heads, tree=[[0], [1], [2], [0, 0], [0, 1]])
+    state = _state(tiny_llama64, torch.tensor([[1, 7, 3, 11, 5]]))
+    draft = drafter.propose(state)
+    # Each node is the rank-r token among the draft vocabulary's rows of the full logits.
+    full = heads(state.hidden[-1][:, -1:]).reshape(2, -1)
+    restricted = vocab[full[:, vocab].topk(3, dim=-1).indices]  # [heads, 3] token ids
+    template = drafter.template
+    for i, (depth, rank) in enumerate(zip(template.depth.tolist(), template.rank.tolist())):
+        assert int(draft.tokens[i]) == int(restricted[depth - 1, rank])
+    assert set(draft.tokens.tolist()) <= set(vocab.tolist())
+    heads.save_pretrained(tmp_path / "h")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", tiny_llama64)
+    assert torch.equal(loaded.draft_vocab, vocab) and loaded.config.draft_vocab_size == 40
+    with pytest.raises(ValueError, match="beyond the heads' draft vocabulary of 40"):
+        MedusaDrafter(loaded, tree=[[r] for r in range(41)])
+    with pytest.raises(ValueError, match="distinct ids"):
+        heads.set_draft_vocab(torch.zeros(40, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs share_lm_head=True"):
+        MedusaHeads.for_model(tiny_llama64, num_heads=2, draft_vocab_size=40, share_lm_head=False)
+    with pytest.raises(ValueError, match="full vocabulary"):
+        MedusaHeads.for_model(tiny_llama64, num_heads=2).set_draft_vocab(vocab)
+
+
+def test_greedy_equality_with_a_reduced_draft_vocabulary():
+    model = tiny_model("llama", dtype=torch.float64)
+    heads = randomize(MedusaHeads.for_model(model, num_heads=3, draft_vocab_size=48), scale=0.5, seed=3)
+    heads.set_draft_vocab(torch.arange(VOCAB - 1, VOCAB - 49, -1))
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = decoding.generate(model, MedusaDrafter(heads, tree=TREES["wide41"]), ids, max_new_tokens=24)
+        assert out.sequences.tolist() == _greedy_reference(model, ids, 24).tolist()
+
+
 def test_resolve_tree(tiny_llama64, tmp_path):
     heads = MedusaHeads.for_model(tiny_llama64, num_heads=2, tree=[[0], [1]])
     assert MedusaDrafter(heads).template.choices == [[0], [1]]  # the heads' saved tree

@@ -158,6 +158,20 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
     assert record["token_ids"] == reference[0, ids.shape[1]:].tolist()
 
 
+def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_within_it(recipe, tmp_path):
+    from medusa.heads import MedusaHeads
+    data = conversations(tmp_path / "d.jsonl", 10)
+    metrics = recipe.main(args(tmp_path, data, "optim.max_steps=2", "heads.draft_vocab_size=30"))
+    model, tokenizer = recipe.T.load_base_model("tiny:llama")
+    heads = MedusaHeads.from_pretrained(tmp_path / "run" / "heads", model)
+    trained = {t for line in data.read_text().splitlines()
+               for t in tokenizer(json.loads(line)["conversations"][1]["value"])["input_ids"]}
+    # The replies use few distinct byte tokens: all of them are in the 30 most frequent trained tokens.
+    assert len(trained) < 30 and trained <= set(heads.draft_vocab.tolist())
+    assert 0.9 <= metrics["draft_vocab_coverage"] <= 1.0
+    assert heads.config.training["metrics"]["draft_vocab_coverage"] == metrics["draft_vocab_coverage"]
+
+
 # ---------------------------------------------------------------- bad input fails before training
 
 @pytest.mark.parametrize("rows, message", [

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from medusa.heads import MedusaHeads  # noqa: E402
 from selfspec import training as T  # noqa: E402
-from selfspec.data import collate  # noqa: E402
+from selfspec.data import collate, frequent_tokens  # noqa: E402
 
 HEAD_ACCURACY_TOP_K = 10  # ranks measured per head; tree calibration reads them
 
@@ -40,6 +40,7 @@ class HeadsConfig:
     num_heads: int = 4  # heads; head k drafts the token k + 2 ahead
     num_layers: int = 1  # ResBlocks per head
     share_lm_head: bool = True  # reuse the base LM head (not saved); False: a private, trained head each
+    draft_vocab_size: int | None = None  # draft from the N most frequent training tokens only (None: all)
 
     def __post_init__(self):
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
@@ -130,6 +131,9 @@ class MedusaRecipe:
         self.train_examples, self.eval_examples = T.prepare_examples(
             cfg.data, self.base, self.tokenizer, self.output_dir / "data", acc, cfg.seed)
         heads = MedusaHeads.for_model(self.base, dtype=torch.float32, **dataclasses.asdict(cfg.heads))
+        if heads.draft_vocab is not None:
+            heads.set_draft_vocab(frequent_tokens(self.train_examples, heads.config.draft_vocab_size,
+                                                  heads.config.vocab_size))
         backbone = self.base.get_decoder()
         if cfg.method == "medusa2":
             from peft import LoraConfig, get_peft_model
@@ -305,12 +309,21 @@ class MedusaRecipe:
         unwrapped.eval()
         k_heads, counts = self.cfg.heads.num_heads, torch.zeros(self.cfg.heads.num_heads, HEAD_ACCURACY_TOP_K)
         totals, base_hits, base_total = torch.zeros(k_heads), 0, 0
+        heads = unwrapped.heads
+        if heads.draft_vocab is not None:  # measure what the drafter proposes: ranks within the draft vocabulary
+            to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
+            to_draft[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel())
+        covered = 0
         for start in range(0, len(self.eval_examples), self.cfg.optim.batch_size):
             batch = collate(self.eval_examples[start:start + self.cfg.optim.batch_size], self.pad_id)
             hidden, features = unwrapped(batch["input_ids"], batch["attention_mask"])
             for k in range(k_heads):
                 rows, cols, targets = head_targets(batch, k)
-                weight, bias = _lm_head(unwrapped.heads, k)
+                weight, bias = _lm_head(heads, k)
+                if heads.draft_vocab is not None:
+                    weight, bias = weight[heads.draft_vocab], None if bias is None else bias[heads.draft_vocab]
+                    targets = to_draft[targets]  # -1 (never a rank) outside the draft vocabulary
+                    covered += int((targets >= 0).sum()) if k == 0 else 0
                 counts[k] += T.chunked_rank_counts(features[k, rows, cols], weight, targets, HEAD_ACCURACY_TOP_K,
                                                    self.cfg.loss_chunk_size, bias)
                 totals[k] += len(targets)
@@ -321,9 +334,12 @@ class MedusaRecipe:
                                                    lm_head.bias)[0])
             base_total += int(valid.sum())
         accuracy = (counts / totals.clamp(min=1)[:, None]).tolist()
-        return {"head_accuracy": accuracy, "top1": [row[0] for row in accuracy],
-                "top5": [sum(row[:5]) for row in accuracy], "base_top1": base_hits / max(1, base_total),
-                "eval_targets": totals.long().tolist()}
+        metrics = {"head_accuracy": accuracy, "top1": [row[0] for row in accuracy],
+                   "top5": [sum(row[:5]) for row in accuracy], "base_top1": base_hits / max(1, base_total),
+                   "eval_targets": totals.long().tolist()}
+        if heads.draft_vocab is not None:
+            metrics["draft_vocab_coverage"] = covered / max(1, int(totals[0]))  # head 0's targets in the draft vocab
+        return metrics
 
     def save_heads(self, metrics: dict):
         cfg, acc = self.cfg, self.accelerator
@@ -339,6 +355,8 @@ class MedusaRecipe:
             "recipe": T.config_to_dict(cfg),
             "metrics": {"top1": metrics["top1"], "top5": metrics["top5"], "base_top1": metrics["base_top1"],
                         "eval_targets": metrics["eval_targets"], "train_examples": len(self.train_examples),
+                        **({"draft_vocab_coverage": metrics["draft_vocab_coverage"]}
+                           if "draft_vocab_coverage" in metrics else {}),
                         "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
                         "steps": self.step, "processes": acc.num_processes,
                         "final_loss": self.history[-1]["loss"] if self.history else None},
