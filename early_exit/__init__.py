@@ -6,12 +6,17 @@ and training-free layer skipping (Draft & Verify, SWIFT). Importing the package 
     drafter = make_drafter("early-exit", model, exit_layer=18, max_depth=3)       # training-free classifier
     drafter = make_drafter("early-exit", model, "heads/smollm2-135m-instruct-early-exit")  # trained one
     drafter = make_drafter("early-exit", model, exit_layer=18, max_depth=4, top_k=2)   # dynamic top-k tree
+    drafter = make_drafter("early-exit", model, "heads/smollm2-135m-instruct-layerskip")  # model: the ADAPTED one
     drafter = make_drafter("layer-skip", model, "heads/smollm2-135m-instruct-layer-skip")  # searched skip set
     out = generate(model, drafter, input_ids, max_new_tokens=128)   # equals model.generate(do_sample=False)
 
-Train a classifier with ``train/early_exit.py``; search a skip set with ``scripts/search_layer_skip.py``.
+Train a classifier with ``train/early_exit.py`` (``method: distill`` on the frozen base, with a ResBlock or an
+attention adapter; or ``method: layerskip``, LoRA on the backbone: load the adapted model with
+``selfspec.models.load_model(heads_dir)`` or pass ``merge_adapter=True``); search a skip set with
+``scripts/search_layer_skip.py``.
 """
 
+from .adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter
 from .classifier import ExitClassifier, ExitClassifierConfig, check_exit_layer, new_classifier
 from .drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter, PartialForwardDrafter
 from .layer_skip import LayerSkipConfig, default_skip_layers
@@ -19,7 +24,7 @@ from .layers import SUPPORTED_MODEL_TYPES, check_supported
 from .registry import make_early_exit_drafter, make_layer_skip_drafter
 
 __all__ = [
-    "DraftPolicy", "EarlyExitDrafter", "ExitClassifier", "ExitClassifierConfig", "LayerSkipConfig",
+    "ADAPTER_KINDS", "AdapterCache", "AttentionAdapter", "DraftPolicy", "EarlyExitDrafter", "ExitClassifier", "ExitClassifierConfig", "LayerSkipConfig",
     "LayerSkipDrafter", "PartialForwardDrafter", "SUPPORTED_MODEL_TYPES", "check_exit_layer", "check_supported",
     "default_skip_layers", "make_early_exit_drafter", "make_layer_skip_drafter", "new_classifier",
 ]

@@ -84,7 +84,8 @@ def exit_agreement(model, calibration: Calibration, classifiers: dict) -> dict:
         hidden_states = model(ids, output_hidden_states=True).hidden_states
         span = slice(start - 1, ids.shape[1] - 1)
         for name, classifier in classifiers.items():
-            predicted = classifier(hidden_states[classifier.exit_layer][0, span], model).argmax(-1)
+            # The whole sequence: an attention adapter attends to every earlier position, as it was trained.
+            predicted = classifier(hidden_states[classifier.exit_layer], model)[0, span].argmax(-1)
             hits[name] += int((predicted == target[span]).sum())
         total += ids.shape[1] - start
     return {name: h / max(total, 1) for name, h in hits.items()}

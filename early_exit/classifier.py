@@ -1,10 +1,14 @@
 """The exit classifier at layer E: turns the hidden state after ``layers[:E]`` into next-token logits.
 
 Always the base model's shared LM head (never saved with the classifier), preceded by the base final norm
-(LayerSkip: training-free) or a trained copy of it (``own_norm``), and optionally by a small trained adapter of
-zero-initialised ResBlocks ``x + SiLU(W x)`` (Kangaroo-style; zero init means an untrained adapter is exactly the
-training-free classifier). An optional reduced draft vocabulary scores only the LM-head rows of the most frequent
+(LayerSkip: training-free) or a trained copy of it (``own_norm``), and optionally by a small trained adapter
+(``early_exit.adapter``): zero-initialised ResBlocks ``x + SiLU(W x)``, or one attention-only block over the
+previous positions' exit-layer states (Kangaroo); zero init means an untrained adapter is exactly the
+training-free classifier. An optional reduced draft vocabulary scores only the LM-head rows of the most frequent
 tokens, which cuts the dominant cost of a shallow draft on CPU; token ids are mapped back to the full vocabulary.
+
+A classifier trained together with a LoRA adapter on the backbone (LayerSkip fine-tuning, ``method: layerskip``)
+carries that adapter in ``backbone_adapter/`` and belongs to the adapted model (``selfspec.adapters``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, ResBlock
 from .layers import check_supported, num_layers
 
 CONFIG_NAME = "config.json"
@@ -30,29 +35,42 @@ class ExitClassifierConfig:
 
     Attributes:
         exit_layer: E, the number of base decoder layers the draft runs (1..L-1).
-        adapter_layers: ResBlocks before the norm (0 = none, the training-free LayerSkip classifier).
+        adapter_layers: adapter blocks before the norm (0 = none, the training-free LayerSkip classifier); the
+            attention adapter is exactly one block.
+        adapter: ``resblock`` (position-wise ResBlocks) or ``attention`` (one causal attention-only block with
+            its own KV cache at decode time).
+        adapter_heads: attention heads of the attention adapter (None = the base model's head count).
         own_norm: train a copy of the base final norm instead of reusing it.
         draft_vocab_size: number of LM-head rows the draft scores (None = the full vocabulary).
-        base_model: identity of the base model the classifier was trained on (see ``selfspec.identity``).
+        base_model: identity of the base model the classifier was trained on (see ``selfspec.identity``); with a
+            backbone adapter, the identity of the model before the adapter.
+        backbone_adapter: set by LayerSkip fine-tuning: ``{"path", "adapted_model"}`` of the LoRA adapter saved
+            beside the classifier (``selfspec.adapters``); None for a classifier on a frozen base.
         metrics: free-form evaluation numbers (top-1 agreement with the full model, ...).
         policy: default draft policy options (``max_depth``, ``threshold``...); callers may override them.
     """
 
     exit_layer: int
     adapter_layers: int = 0
+    adapter: str = "resblock"
+    adapter_heads: int | None = None
     own_norm: bool = False
     draft_vocab_size: int | None = None
     base_model: dict[str, Any] = field(default_factory=dict)
+    backbone_adapter: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] = field(default_factory=dict)
     kind: str = KIND
+
+    def __post_init__(self) -> None:
+        check_adapter(self.adapter, self.adapter_layers, self.adapter_heads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExitClassifierConfig:
-        """Raises: ValueError: not an early-exit config, or unknown keys."""
+        """Raises: ValueError: not an early-exit config, unknown keys, or a bad adapter."""
         if data.get("kind", KIND) != KIND:
             raise ValueError(f"config is for a {data.get('kind')!r} drafter, not an early-exit classifier")
         known = set(cls.__dataclass_fields__)
@@ -69,17 +87,20 @@ def check_exit_layer(exit_layer: int, model) -> None:
         raise ValueError(f"exit_layer must be an integer in 1..{total - 1} for this {total}-layer model, got {exit_layer!r}")
 
 
-class ResBlock(nn.Module):
-    """``x + SiLU(W x)`` with W zero-initialised: starts as the identity."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
+def check_adapter(adapter: str, adapter_layers: int, adapter_heads: int | None = None) -> None:
+    """Raises: ValueError: an unknown adapter kind, a negative block count, an attention adapter that is not
+    exactly one block, or a bad head count."""
+    if adapter not in ADAPTER_KINDS:
+        raise ValueError(f"unknown adapter kind {adapter!r}; known: {', '.join(ADAPTER_KINDS)}")
+    if isinstance(adapter_layers, bool) or not isinstance(adapter_layers, int) or adapter_layers < 0:
+        raise ValueError(f"adapter_layers must be an integer >= 0, got {adapter_layers!r}")
+    if adapter == "attention" and adapter_layers != 1:
+        raise ValueError(f"the attention adapter is one block: adapter_layers must be 1, got {adapter_layers}")
+    if adapter_heads is not None:
+        if adapter != "attention":
+            raise ValueError("adapter_heads applies to the attention adapter only (adapter: attention)")
+        if isinstance(adapter_heads, bool) or not isinstance(adapter_heads, int) or adapter_heads < 1:
+            raise ValueError(f"adapter_heads must be an integer >= 1 or null, got {adapter_heads!r}")
 
 
 class ExitClassifier(nn.Module):
@@ -93,7 +114,11 @@ class ExitClassifier(nn.Module):
         self.config = config
         base = next(model.parameters())
         hidden_size = model.config.hidden_size
-        self.adapter = nn.ModuleList(ResBlock(hidden_size) for _ in range(config.adapter_layers))
+        resblocks = config.adapter_layers if config.adapter == "resblock" else 0
+        self.adapter = nn.ModuleList(ResBlock(hidden_size) for _ in range(resblocks))
+        self.attention = None
+        if config.adapter == "attention":
+            self.attention = AttentionAdapter(model, config.exit_layer, config.adapter_heads)
         self.norm = None
         if config.own_norm:
             self.norm = _copy_module(model.model.norm)
@@ -110,6 +135,17 @@ class ExitClassifier(nn.Module):
     def exit_layer(self) -> int:
         return self.config.exit_layer
 
+    @property
+    def needs_context(self) -> bool:
+        """Whether the logits at a position depend on earlier positions (the attention adapter): drafting then
+        keeps an :class:`AdapterCache` fed with the accepted tokens' exit-layer states."""
+        return self.attention is not None
+
+    def extend_cache(self, cache: AdapterCache, hidden: torch.Tensor, model, position_ids: torch.Tensor) -> None:
+        """Append the attention adapter's keys and values of accepted positions ``hidden`` ``[1, m, hidden]``."""
+        if self.attention is not None:
+            self.attention.extend(hidden, model, position_ids, cache)
+
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Raises: ValueError: wrong number of ids, or repeated ids."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
@@ -120,22 +156,29 @@ class ExitClassifier(nn.Module):
         self.draft_vocab.copy_(token_ids)
         self._draft_weight = None
 
-    def features(self, hidden: torch.Tensor, model) -> torch.Tensor:
-        """``[..., hidden]`` after adapter and norm: what the LM head reads."""
+    def features(self, hidden: torch.Tensor, model, **context) -> torch.Tensor:
+        """``[..., hidden]`` after adapter and norm: what the LM head reads.
+
+        ``context`` (attention adapter only; see ``AttentionAdapter.forward``): ``position_ids``,
+        ``attention_mask``, ``cache``. Without it ``hidden`` ``[b, s, hidden]`` is a whole sequence from position 0,
+        attended causally (training, teacher-forced evaluation); position-wise adapters ignore it.
+        """
+        if self.attention is not None:
+            hidden = self.attention(hidden, model, **context)
         for block in self.adapter:
             hidden = block(hidden)
         norm = self.norm if self.norm is not None else model.model.norm
         return norm(hidden)
 
-    def forward(self, hidden: torch.Tensor, model, features_only: bool = False) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, model, features_only: bool = False, **context) -> torch.Tensor:
         """Full-vocabulary logits ``[..., vocab]``, or with ``features_only`` what the LM head reads (training
         goes through ``forward`` so that DDP sees the call, and computes the logits in chunks itself)."""
-        features = self.features(hidden, model)
+        features = self.features(hidden, model, **context)
         return features if features_only else model.get_output_embeddings()(features)
 
-    def draft_logits(self, hidden: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_logits(self, hidden: torch.Tensor, model, **context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits the draft ranks, and the full-vocabulary id of each column (None: columns are the ids)."""
-        features = self.features(hidden, model)
+        features = self.features(hidden, model, **context)
         head = model.get_output_embeddings()
         if not self.draft_vocab.numel():
             return head(features), None
@@ -145,17 +188,38 @@ class ExitClassifier(nn.Module):
         bias = head.bias[self.draft_vocab] if getattr(head, "bias", None) is not None else None
         return nn.functional.linear(features, self._draft_weight, bias), self.draft_vocab
 
-    def save_pretrained(self, directory: str | Path, model, notes: str = "") -> Path:
-        """Write ``config.json`` (stamped with ``model``'s identity, which loading checks), ``model.safetensors``
-        (only the classifier's own tensors) and a README (the config and metrics, then ``notes``)."""
+    def save_pretrained(self, directory: str | Path, model, notes: str = "", *, base_identity: dict | None = None,
+                        backbone_adapter: str | Path | None = None) -> Path:
+        """Write ``config.json`` (stamped with the base model's identity, which loading checks),
+        ``model.safetensors`` (only the classifier's own tensors) and a README (the config and metrics, then
+        ``notes``), atomically: a crash leaves the old directory or the complete new one.
+
+        Args:
+            model: the base model the classifier reads; its identity is recorded unless ``base_identity`` is given.
+            base_identity: the identity to record instead (LayerSkip: the base *before* its adapter was merged).
+            backbone_adapter: a folder written by ``selfspec.adapters.export_backbone_adapter``, copied into
+                ``backbone_adapter/`` in the same atomic write; ``config.backbone_adapter`` must describe it.
+
+        Raises:
+            ValueError: an adapter folder without ``config.backbone_adapter`` (or the other way round), or an
+                adapter without ``base_identity`` (the adapted model given is not the base to record).
+        """
         from safetensors.torch import save_file
 
+        from selfspec.adapters import copy_backbone_adapter
         from selfspec.identity import base_model_identity
         from selfspec.io import atomic_directory
 
-        self.config.base_model = base_model_identity(model)
+        if (backbone_adapter is None) != (self.config.backbone_adapter is None):
+            raise ValueError("save_pretrained: pass the adapter folder exactly when config.backbone_adapter is set")
+        if backbone_adapter is not None and base_identity is None:
+            raise ValueError("save_pretrained: with a backbone adapter, pass base_identity (the model before the "
+                             "adapter); the identity of the adapted model goes into config.backbone_adapter")
+        self.config.base_model = dict(base_identity) if base_identity is not None else base_model_identity(model)
         with atomic_directory(directory) as tmp:
             tmp = Path(tmp)
+            if backbone_adapter is not None:
+                copy_backbone_adapter(backbone_adapter, tmp)
             (tmp / CONFIG_NAME).write_text(self.config.to_json())
             tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "kind": KIND})
@@ -163,40 +227,49 @@ class ExitClassifier(nn.Module):
         return Path(directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, model) -> ExitClassifier:
+    def from_pretrained(cls, directory: str | Path, model, *, merge_adapter: bool = False) -> ExitClassifier:
         """Load a classifier saved by :meth:`save_pretrained` onto ``model``.
 
+        A classifier trained with a backbone adapter (LayerSkip) belongs to the adapted model: ``model`` must be
+        that model (``selfspec.models.load_model(directory)`` loads it), or the plain base with
+        ``merge_adapter=True``, which merges the adapter into ``model`` in place.
+
         Raises:
-            FileNotFoundError: ``directory`` lacks config.json or model.safetensors.
-            ValueError: the classifier was trained for another base model, or its exit layer does not fit ``model``.
+            FileNotFoundError: ``directory`` lacks config.json, model.safetensors or its backbone adapter.
+            selfspec.identity.BaseModelMismatchError: the classifier was trained for another base model (or for the
+                adapted one, and the plain base was given without ``merge_adapter``).
+            ValueError: a bad config, or its exit layer does not fit ``model``.
         """
         from safetensors.torch import load_file
 
-        from selfspec.identity import check_base_model
+        from selfspec.adapters import resolve_backbone
 
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory} is not an early-exit classifier directory: no {name}")
         config = ExitClassifierConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
-        check_base_model(config.base_model, model, what=f"early-exit classifier {directory}")
+        model = resolve_backbone(model, directory, config.base_model, what=f"early-exit classifier {directory}",
+                                 merge_adapter=merge_adapter)
         classifier = cls(config, model)
         tensors = load_file(str(directory / WEIGHTS_NAME))
         classifier.load_state_dict(tensors)
         return classifier.eval()
 
 
-def new_classifier(model, exit_layer: int, *, adapter_layers: int = 0, own_norm: bool = False,
+def new_classifier(model, exit_layer: int, *, adapter_layers: int = 0, adapter: str = "resblock",
+                   adapter_heads: int | None = None, own_norm: bool = False,
                    draft_vocab: torch.Tensor | None = None) -> ExitClassifier:
-    """A fresh classifier for ``model`` (with no adapter: the training-free one).
+    """A fresh classifier for ``model`` (with no adapter: the training-free one). ``adapter="attention"`` with
+    ``adapter_layers=1``: the one-block attention adapter (zero output projection: still the training-free one).
 
     Raises:
-        ValueError: ``exit_layer`` outside 1..L-1, or an unsupported architecture.
+        ValueError: ``exit_layer`` outside 1..L-1, an unsupported architecture, or a bad adapter.
     """
     check_exit_layer(exit_layer, model)
     size = None if draft_vocab is None else int(torch.as_tensor(draft_vocab).numel())
-    config = ExitClassifierConfig(exit_layer=exit_layer, adapter_layers=adapter_layers, own_norm=own_norm,
-                                  draft_vocab_size=size)
+    config = ExitClassifierConfig(exit_layer=exit_layer, adapter_layers=adapter_layers, adapter=adapter,
+                                  adapter_heads=adapter_heads, own_norm=own_norm, draft_vocab_size=size)
     classifier = ExitClassifier(config, model)
     if draft_vocab is not None:
         classifier.set_draft_vocab(draft_vocab)
@@ -214,10 +287,15 @@ def _copy_module(module: nn.Module) -> nn.Module:
 
 def default_readme(config: ExitClassifierConfig) -> str:
     name = config.base_model.get("name_or_path") or "the base model"
+    adapter = {"resblock": f"{config.adapter_layers} ResBlock(s)",
+               "attention": f"one attention block ({config.adapter_heads or 'base'} heads)"}[config.adapter]
     lines = [f"# Early-exit classifier for {name}", "",
-             f"Exit layer {config.exit_layer}; adapter ResBlocks: {config.adapter_layers}; own norm: {config.own_norm}; "
-             f"draft vocabulary: {config.draft_vocab_size or 'full'}.", "",
+             f"Exit layer {config.exit_layer}; adapter: {adapter if config.adapter_layers else 'none'}; own norm: "
+             f"{config.own_norm}; draft vocabulary: {config.draft_vocab_size or 'full'}.", "",
              "Use: `selfspec generate --draft early-exit --heads DIR`.", ""]
+    if config.backbone_adapter:
+        lines += [f"Trained with a LoRA adapter on the backbone, saved in `{config.backbone_adapter.get('path')}/`: "
+                  "it decodes the adapted model, which `selfspec.models.load_model(DIR)` (or `--model DIR`) loads.", ""]
     if config.metrics:
         lines += ["## Metrics", "", "```json", json.dumps(config.metrics, indent=2, sort_keys=True), "```", ""]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Each depth is one partial forward (the layers the draft keeps) over the frontier
 draft nodes already in the cache. Drafting stops early when the draft gets unsure: a node is only expanded while
 the product of top-1/top-k probabilities along its path (its *path confidence*) stays above ``threshold``
 (Kangaroo / Draft & Verify). The draft's KV goes into the base cache and is cropped back before returning, so
-verification sees exactly the cache it was handed.
+verification sees exactly the cache it was handed. A classifier with an attention adapter keeps its own one-layer
+KV the same way: accepted positions from the decode loop's layer-E states, draft nodes appended and cropped back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from decoding.drafter import DecodeState, DrafterBase
 from decoding.tree import DraftTree
 
+from .adapter import AdapterCache
 from .layers import additive_mask, crop_layers, run_layers
 
 # hidden [1, q, hidden] -> (logits [1, q, v], column -> token id map [v] or None for the identity)
@@ -98,7 +100,7 @@ class PartialForwardDrafter(DrafterBase):
             mask = additive_mask(allowed[frontier_slots][:, :written], prefix, dtype)
             hidden = run_layers(self.model, self.layer_ids, ids, positions, mask, cache)
             mid = time.perf_counter()
-            logits, vocab = self.head(hidden)
+            logits, vocab = self._draft_logits(hidden, positions, mask)
             probs = torch.softmax(logits[0].float(), dim=-1)  # [frontier, v]
             top_p, top_i = probs.topk(min(policy.top_k, probs.shape[-1]), dim=-1)
             if vocab is not None:
@@ -133,13 +135,73 @@ class PartialForwardDrafter(DrafterBase):
         return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
                          torch.tensor(parents, dtype=torch.long, device=device))
 
+    def _draft_logits(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """The head on the frontier's hidden states ``[1, q, hidden]``; ``positions`` ``[1, q]`` and the draft
+        mask ``[1, 1, q, prefix + written]`` are there for heads that attend to earlier positions."""
+        return self.head(hidden)
+
 
 class EarlyExitDrafter(PartialForwardDrafter):
-    """LayerSkip / Kangaroo self-draft: base ``layers[:E]`` then the exit classifier."""
+    """LayerSkip / Kangaroo self-draft: base ``layers[:E]`` then the exit classifier.
+
+    With an attention adapter the drafter asks the decode loop for the layer-E hidden states of accepted tokens
+    (``hidden_layers = (E,)``) and keeps the adapter's KV for them; ``begin`` must run before the first
+    ``propose`` (the decode loop calls it after prefill).
+    """
 
     def __init__(self, model, classifier, policy: DraftPolicy = DraftPolicy()):
         self.classifier = classifier
+        self.adapter_cache = AdapterCache() if classifier.needs_context else None
+        self.hidden_layers = (classifier.exit_layer,) if classifier.needs_context else ()
         super().__init__(model, range(classifier.exit_layer), lambda h: classifier.draft_logits(h, model), policy)
+
+    def begin(self, state: DecodeState) -> None:
+        if self.adapter_cache is not None:
+            self.adapter_cache.reset()
+            self._extend(state)
+
+    def observe(self, state: DecodeState) -> None:
+        if self.adapter_cache is not None:
+            self._extend(state)
+
+    def _extend(self, state: DecodeState) -> None:
+        """Append the adapter KV of the tokens the last forward added to the base cache (``state.hidden``).
+
+        Raises:
+            RuntimeError: the decode loop gave no layer-E states, or they do not line up with the cache.
+        """
+        exit_layer = self.classifier.exit_layer
+        if exit_layer not in state.hidden:
+            raise RuntimeError(f"the attention adapter needs the layer-{exit_layer} hidden states of accepted "
+                               "tokens (DecodeState.hidden); run it through decoding.generate")
+        hidden = state.hidden[exit_layer]  # [1, m, hidden]
+        start = self.adapter_cache.length
+        if start + hidden.shape[1] != state.cache_length:
+            raise RuntimeError(f"adapter cache out of step: {start} + {hidden.shape[1]} new positions, but the base "
+                               f"cache holds {state.cache_length}")
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
+        with torch.no_grad():
+            self.classifier.extend_cache(self.adapter_cache, hidden, self.model, positions)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        if self.adapter_cache is None:
+            return super().propose(state)
+        if self.adapter_cache.length != state.cache_length:
+            raise RuntimeError(f"adapter cache holds {self.adapter_cache.length} positions but the base cache "
+                               f"{state.cache_length}: call begin(state) after prefill (decoding.generate does)")
+        try:
+            return super().propose(state)
+        finally:
+            self.adapter_cache.crop(state.cache_length)
+
+    def _draft_logits(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        if self.adapter_cache is None:
+            return self.head(hidden)
+        # The adapter cache holds the prefix and every draft node written so far, in base-cache slot order, so
+        # the base draft mask and positions apply to it unchanged.
+        return self.classifier.draft_logits(hidden, self.model, position_ids=positions, attention_mask=mask,
+                                            cache=self.adapter_cache)
 
 
 class LayerSkipDrafter(PartialForwardDrafter):

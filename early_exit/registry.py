@@ -30,18 +30,23 @@ def _build_policy(max_depth: int = 6, top_k: int = 1, width: int | None = None, 
 
 
 @register_drafter("early-exit")
-def make_early_exit_drafter(model, heads: str | None = None, *, exit_layer: int | None = None, **policy) -> EarlyExitDrafter:
+def make_early_exit_drafter(model, heads: str | None = None, *, exit_layer: int | None = None,
+                            merge_adapter: bool = False, **policy) -> EarlyExitDrafter:
     """A trained classifier from ``heads``, or the training-free one (base norm + LM head) at ``exit_layer``
     (default: half the layers). ``policy``: max_depth, top_k, width, max_nodes, threshold (see DraftPolicy).
 
+    A classifier trained with a backbone adapter (LayerSkip) needs the adapted model; with ``merge_adapter`` the
+    plain base is accepted and the adapter is merged into ``model`` in place.
+
     Raises:
-        ValueError: unsupported model, exit layer outside 1..L-1, classifier for another base model, or both
-            ``heads`` and a different ``exit_layer``.
+        ValueError: unsupported model, exit layer outside 1..L-1, both ``heads`` and a different ``exit_layer``.
+        selfspec.identity.BaseModelMismatchError: a classifier for another base model, or for the adapted model
+            and ``model`` is the plain base without ``merge_adapter``.
         FileNotFoundError: ``heads`` is not a classifier directory.
     """
     check_supported(model)
     if heads is not None:
-        classifier = ExitClassifier.from_pretrained(heads, model)
+        classifier = ExitClassifier.from_pretrained(heads, model, merge_adapter=merge_adapter)
         if exit_layer is not None and exit_layer != classifier.exit_layer:
             raise ValueError(f"{heads} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
     else:

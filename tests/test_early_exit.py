@@ -190,6 +190,52 @@ def test_greedy_equality_reduced_vocabulary_and_adapter():
                   prompt(5, seed=3), 32)
 
 
+def attention_classifier(model, exit_layer: int, scale: float = 0.02, **options):
+    """An attention-adapter classifier with small random NONZERO weights: the draft differs from the training-free
+    one but is still accepted often enough that acceptance is exercised."""
+    classifier = new_classifier(model, exit_layer, adapter="attention", adapter_layers=1, **options)
+    generator = torch.Generator().manual_seed(exit_layer)
+    with torch.no_grad():
+        for name, p in classifier.attention.named_parameters():
+            if not name.startswith("norm"):
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
+    return classifier
+
+
+@pytest.mark.parametrize("draft", ["chain", "tree"])
+@pytest.mark.parametrize("arch", LLAMA_FAMILY)
+def test_greedy_equality_attention_adapter(arch, draft):
+    model = tiny_model(arch, dtype=torch.float64)
+    options = dict(DRAFTS[draft])
+    classifier = attention_classifier(model, options.pop("exit_layer"))
+    hidden = torch.randn(1, 6, model.config.hidden_size, dtype=torch.float64)
+    assert not torch.allclose(classifier(hidden, model), new_classifier(model, classifier.exit_layer)(hidden, model))
+    policy = DraftPolicy(max_depth=options["max_depth"], top_k=options.get("top_k", 1), width=options.get("width", 1),
+                         max_nodes=options.get("max_nodes", options["max_depth"]))
+    out = _greedy_equal(model, EarlyExitDrafter(model, classifier, policy), prompt(7), 40)
+    assert out.stats.tau > 1.0
+
+
+def test_attention_adapter_save_load_round_trip(tmp_path):
+    model = tiny_model("qwen3", dtype=torch.float64)
+    classifier = attention_classifier(model, 2, scale=0.05, adapter_heads=2, draft_vocab=torch.arange(5, 90))
+    classifier.config.policy = {"max_depth": 3, "top_k": 2}
+    classifier.save_pretrained(tmp_path / "ee", model)
+    names = sorted(p.name for p in (tmp_path / "ee").iterdir() if not p.name.startswith("."))
+    assert names == ["README.md", "config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "ee" / "config.json").read_text())
+    assert config["adapter"] == "attention" and config["adapter_heads"] == 2 and config["backbone_adapter"] is None
+    loaded = ExitClassifier.from_pretrained(tmp_path / "ee", model)
+    assert loaded.attention.num_heads == 2 and loaded.needs_context
+    for name, tensor in classifier.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    hidden = torch.randn(1, 5, model.config.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(loaded(hidden, model), classifier(hidden, model))
+    drafter = make_drafter("early-exit", model, str(tmp_path / "ee"))
+    assert drafter.hidden_layers == (2,) and drafter.policy.top_k == 2
+    _greedy_equal(model, drafter, prompt(6, seed=4), 24)
+
+
 def test_sampling_with_a_tree_draft_is_seeded():
     """Deterministic (top-k) drafts under speculative sampling run, and the same seed gives the same output
     (losslessness of the sampler itself is tested on its own in decoding's tests)."""

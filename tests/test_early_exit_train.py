@@ -89,3 +89,32 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
     changed = load_file(str(tmp_path / "straight" / "heads" / "model.safetensors"))["adapter.0.linear.weight"]
     assert changed.abs().sum() > 0  # the adapter did train (zero init)
+
+
+def test_attention_adapter_trains_on_full_sequences_and_drafts_losslessly(tmp_path):
+    result = recipe().main(["--config", str(TINY), *overrides(tmp_path, "attn", **{
+        "optim.max_steps": 12, "classifier.adapter": "attention", "classifier.adapter_heads": 2})])
+    losses = [r["loss"] for r in result["history"]]
+    assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
+    heads = tmp_path / "attn" / "heads"
+    config = json.loads((heads / "config.json").read_text())
+    assert config["adapter"] == "attention" and config["adapter_heads"] == 2
+    weights = load_file(str(heads / "model.safetensors"))
+    assert weights["attention.o_proj.weight"].abs().sum() > 0  # zero init: the output projection did train
+    assert not any(k.startswith("adapter.") for k in weights)
+    model, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    drafter = make_drafter("early-exit", model, str(heads))
+    assert drafter.hidden_layers == (config["exit_layer"],)
+    ids = torch.tensor([[2, 40, 41, 42, 43]])
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(generate(model, drafter, ids, max_new_tokens=20).sequences, expected)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("classifier.adapter=lstm", "unknown adapter kind 'lstm'"),
+    ("classifier.adapter=attention classifier.adapter_layers=2", "adapter_layers must be 1"),
+    ("method=medusa", "method must be distill or layerskip"),
+])
+def test_bad_classifier_values_are_clear_errors(override, message):
+    with pytest.raises(ValueError, match=message):
+        T.load_config(recipe().EarlyExitRecipeConfig, TINY, override.split())

@@ -1,0 +1,163 @@
+"""Trained adapters an exit classifier may put before its norm: zero-initialised ResBlocks, or one attention-only
+block (Kangaroo) that attends over the exit-layer hidden states of the previous positions.
+
+Both start as the identity (the ResBlock's ``W`` and the attention block's output projection are zero), so an
+untrained adapter is exactly the training-free classifier. The attention block keeps its own one-layer KV cache
+(:class:`AdapterCache`) at decode time: the drafter feeds it the exit-layer states of accepted tokens, appends
+the draft nodes' entries while drafting, and crops them back, as the base cache is handled.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+ADAPTER_KINDS = ("resblock", "attention")
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x)`` with W zero-initialised: starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class AdapterCache:
+    """Keys and values of the attention adapter for the positions seen so far: ``[batch, heads, n, head_dim]``."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[b, heads, q, head_dim]`` entries; returns every key and value held now."""
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions.
+
+        Raises:
+            RuntimeError: the cache holds fewer than ``length`` positions.
+        """
+        if length > self.length:
+            raise RuntimeError(f"adapter cache holds {self.length} positions, cannot crop to {length}")
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the Llama family applies it (rotate-half), on the first ``cos.shape[-1]`` dims of each head."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]  # [b, 1, q, rot]: broadcast over heads
+    rotated = x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin
+    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
+
+
+def causal_mask(query_positions: torch.Tensor, key_length: int, padding: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``[b, 1, q, k]`` additive mask: query at absolute position ``p`` sees keys ``0..p``, minus padded keys.
+
+    ``padding``: ``[b, k]`` with 1 for real tokens (the whole key range), or None.
+    """
+    keys = torch.arange(key_length, device=query_positions.device)
+    keep = keys[None, None, :] <= query_positions[:, :, None]  # [b, q, k]
+    if padding is not None:
+        keep = keep & padding[:, None, :].bool()
+    mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    mask.masked_fill_(~keep, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+class AttentionAdapter(nn.Module):
+    """One pre-norm, attention-only block: ``x + o(Attn(RoPE(q(n(x))), RoPE(k(n(x))), v(n(x))))``, causal.
+
+    The head dimension is the base model's (the base rotary embedding supplies cos/sin); the head count is the
+    base's unless ``num_heads`` is given. Keys and values use every head (no grouping): one layer is cheap.
+    """
+
+    def __init__(self, model, exit_layer: int, num_heads: int | None = None):
+        super().__init__()
+        config = model.config
+        hidden = config.hidden_size
+        self.num_heads = num_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        # Pre-norm initialised as the norm the base layer after the exit applies to the same hidden state.
+        self.norm = copy.deepcopy(model.model.layers[exit_layer].input_layernorm)
+        inner = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, inner, bias=False)
+        self.k_proj = nn.Linear(hidden, inner, bias=False)
+        self.v_proj = nn.Linear(hidden, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden, bias=False)
+        nn.init.zeros_(self.o_proj.weight)  # starts as the identity: the training-free classifier
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, q, _ = x.shape
+        return x.view(b, q, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, q, head_dim]
+
+    def _keys_values(self, normed: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return _apply_rotary(self._split(self.k_proj(normed)), cos, sin), self._split(self.v_proj(normed))
+
+    def extend(self, hidden: torch.Tensor, model, position_ids: torch.Tensor, cache: AdapterCache) -> None:
+        """Append the keys and values of ``hidden`` ``[b, q, hidden]`` at ``position_ids`` ``[b, q]`` to ``cache``
+        (accepted positions: no query needed)."""
+        cos, sin = model.model.rotary_emb(hidden, position_ids=position_ids)
+        cache.append(*self._keys_values(self.norm(hidden), cos, sin))
+
+    def forward(self, hidden: torch.Tensor, model, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache: AdapterCache | None = None) -> torch.Tensor:
+        """``[b, q, hidden]`` -> ``[b, q, hidden]``.
+
+        Args:
+            hidden: exit-layer hidden states of ``q`` new positions.
+            model: the base model (its rotary embedding gives cos/sin).
+            position_ids: ``[b, q]`` absolute positions (default: right after what ``cache`` holds).
+            attention_mask: None (causal), ``[b, k]`` padding mask over all keys (causal and padding), or a
+                ``[b, 1, q, k]`` additive mask used as is (a draft tree's).
+            cache: earlier positions' keys and values; the new ones are appended to it.
+
+        Raises:
+            ValueError: ``hidden`` is not ``[batch, seq, hidden]``.
+        """
+        if hidden.dim() != 3:
+            raise ValueError(f"the attention adapter needs [batch, seq, hidden] states, got shape {tuple(hidden.shape)}")
+        b, q, _ = hidden.shape
+        start = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + q, device=hidden.device)[None].expand(b, q)
+        cos, sin = model.model.rotary_emb(hidden, position_ids=position_ids)
+        normed = self.norm(hidden)
+        query = _apply_rotary(self._split(self.q_proj(normed)), cos, sin)
+        keys, values = self._keys_values(normed, cos, sin)
+        if cache is not None:
+            keys, values = cache.append(keys, values)
+        if attention_mask is None or attention_mask.dim() == 2:
+            attention_mask = causal_mask(position_ids, keys.shape[2], attention_mask, hidden.dtype)
+        out = nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=attention_mask)
+        return hidden + self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
