@@ -128,15 +128,41 @@ def available_drafters() -> list[str]:
 
 
 def make_drafter(name: str, model: Any, heads: str | None = None, **options: Any) -> Drafter:
-    """Build a registered drafter.
+    """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.lookup.combine``).
+
+    In a combination, ``heads`` and the unprefixed ``options`` go to the first drafter; ``"b.key"`` options go to
+    drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR, **{"lookup.num_tokens": 6})``).
 
     Raises:
         KeyError: unknown drafter name (the message lists the known ones).
     """
     _load_builtin_drafters()
+    if "+" in name:
+        parts = name.split("+")
+        return make_combined([(part, heads if i == 0 else None) for i, part in enumerate(parts)], model, options)
     if name not in _REGISTRY:
         raise KeyError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](model, heads, **options)
+
+
+def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:
+    """Drafters ``[(name, heads), ...]`` combined into one tree; see ``make_drafter`` for how options are routed.
+
+    Raises:
+        KeyError: an unknown drafter name. ValueError: a prefixed option for a drafter not in ``parts``.
+    """
+    from .lookup import combine
+
+    names = [n for n, _ in parts]
+    routed: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key, value in options.items():
+        target, dot, option = key.partition(".")
+        if not dot:
+            target, option = names[0], key
+        if target not in routed:
+            raise ValueError(f"option {key!r} is for drafter {target!r}, which is not among {names}")
+        routed[target][option] = value
+    return combine(*[make_drafter(n, model, h, **routed[n]) for n, h in parts])
 
 
 register_drafter("none")(lambda model, heads=None, **_: EmptyDrafter())

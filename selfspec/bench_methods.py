@@ -87,6 +87,12 @@ def parse_method(spec: str, **options: Any) -> Method:
             raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
                              f"(choose one of {', '.join(BACKENDS)})")
         return BackendMethod(spec.strip(), parse_method(body, **options), backend)
+    if "+" in body:  # drafters combined into one tree, each NAME[:ARG]: medusa:DIR+lookup
+        parts = [(n, a or None) for n, _, a in (part.partition(":") for part in body.split("+"))]
+        unknown = [n for n, _ in parts if n not in available_drafters()]
+        if unknown:
+            raise KeyError(f"unknown drafter {unknown[0]!r} in {body!r}; available: {', '.join(available_drafters())}")
+        return DrafterMethod(body, "+".join(n for n, _ in parts), None, options, parts=parts)
     name, _, arg = body.partition(":")
     arg = arg or None
     if name in _METHODS:
@@ -180,15 +186,19 @@ class DrafterMethod:
     """A registered drafter run through selfspec's own loop (``decoding.generate``). The drafter is built once per
     model and reused for every prompt."""
 
-    def __init__(self, name: str, drafter: str, heads: str | None, options: dict):
+    def __init__(self, name: str, drafter: str, heads: str | None, options: dict,
+                 parts: list[tuple[str, str | None]] | None = None):
         self.name, self.drafter_name, self.heads, self.options = name, drafter, heads, dict(options)
+        self.parts = parts  # [(drafter, heads)] of a combination, else None
         self._built: tuple[Any, Any] | None = None  # (model, drafter)
 
     def drafter(self, model: Any) -> Any:
-        from decoding.drafter import make_drafter
+        from decoding.drafter import make_combined, make_drafter
 
         if self._built is None or self._built[0] is not model:
-            self._built = (model, make_drafter(self.drafter_name, model, self.heads, **self.options))
+            built = (make_combined(self.parts, model, self.options) if self.parts
+                     else make_drafter(self.drafter_name, model, self.heads, **self.options))
+            self._built = (model, built)
         return self._built[1]
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:

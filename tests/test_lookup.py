@@ -1,0 +1,96 @@
+"""Prompt-lookup drafts, merged trees and combined drafters: what they propose, and that decoding with them stays
+token-identical to the base model's greedy generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decoding
+from decoding import DraftTree, LookupDrafter, combine, make_drafter, merge_trees
+from decoding.lookup import lookup_continuation
+from medusa import MedusaDrafter, MedusaHeads
+from selfspec.testing import ARCHITECTURES, tiny_model
+
+
+def test_lookup_takes_the_longest_then_most_recent_match():
+    seq = torch.tensor([5, 1, 2, 3, 7, 1, 2, 4, 8, 9, 1, 2])
+    # "1 2" occurred twice before; the later occurrence (followed by 4 8) wins.
+    assert lookup_continuation(seq, max_ngram=2, min_ngram=1, num_tokens=3).tolist() == [4, 8, 9]
+    # No earlier "9 1 2": from n = 3 it falls back to n = 2.
+    assert lookup_continuation(seq, max_ngram=3, min_ngram=2, num_tokens=2).tolist() == [4, 8]
+    # Only 1-grams: the most recent earlier "2" is followed by 4 8 9 1 2.
+    assert lookup_continuation(seq, max_ngram=1, min_ngram=1, num_tokens=5).tolist() == [4, 8, 9, 1, 2]
+    assert lookup_continuation(torch.tensor([1, 2, 3]), 2, 1, 4) is None  # nothing repeats
+    assert lookup_continuation(torch.tensor([4]), 2, 1, 4) is None
+    # A continuation running into the end of the sequence is cut there.
+    assert lookup_continuation(torch.tensor([6, 6]), 2, 1, 4).tolist() == [6]
+
+
+def test_lookup_drafter_errors():
+    with pytest.raises(ValueError, match="num_tokens must be an integer >= 1"):
+        LookupDrafter(num_tokens=0)
+    with pytest.raises(ValueError, match="exceeds max_ngram"):
+        LookupDrafter(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="no heads"):
+        make_drafter("lookup", None, "some/dir")
+    with pytest.raises(ValueError, match="unknown lookup drafter option"):
+        make_drafter("lookup", None, width=2)
+
+
+def test_merge_shares_common_paths_and_keeps_parents_first():
+    a = DraftTree(torch.tensor([10, 11, 12, 20]), torch.tensor([-1, 0, 1, -1]))  # 10-11-12 and 20
+    b = DraftTree.chain([10, 11, 13])  # shares 10-11, then branches
+    merged = merge_trees([a, None, b])
+    assert merged.tokens.tolist() == [10, 11, 12, 20, 13]
+    assert merged.parents.tolist() == [-1, 0, 1, -1, 1]
+    assert {tuple(merged.tokens[p].tolist()) for p in merged.paths} == {(10, 11, 12), (10, 11, 13), (20,)}
+    assert merge_trees([None, None]) is None and merge_trees([b]) is b
+    sampled = DraftTree.chain([1], draft_probs=torch.full((1, 4), 0.25))
+    with pytest.raises(ValueError, match="cannot be merged"):
+        merge_trees([a, sampled])
+
+
+def _repetitive_prompt(vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(1, vocab, (5,), generator=g)
+    return torch.cat([motif, torch.randint(1, vocab, (3,), generator=g), motif, motif[:2]]).unsqueeze(0)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_equality_with_lookup_and_medusa_plus_lookup(arch, tmp_path):
+    model = tiny_model(arch, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    heads = MedusaHeads.for_model(model, num_heads=2)
+    with torch.no_grad():  # nonzero heads: they differ from the base head and from each other
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+    accepted = 0
+    for seed in range(3):
+        prompt = _repetitive_prompt(vocab, seed)
+        expected = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False).tolist()
+        for drafter in (LookupDrafter(num_tokens=5),
+                        combine(MedusaDrafter(heads, tree=[[0], [1], [0, 0]]), LookupDrafter(max_ngram=2))):
+            out = decoding.generate(model, drafter, prompt, max_new_tokens=30, eos_token_id=None)
+            assert out.sequences.tolist() == expected
+            accepted += sum(out.stats.accepted_per_step)
+    assert accepted > 0  # the lookup found repeats and the accept path ran
+
+
+def test_combined_drafters_from_the_registry_and_the_benchmark(tmp_path):
+    from selfspec.bench_methods import GenSettings, parse_method
+
+    model = tiny_model("llama")
+    MedusaHeads.for_model(model, num_heads=2).save_pretrained(tmp_path / "h")
+    drafter = make_drafter("medusa+lookup", model, str(tmp_path / "h"), tree="3", **{"lookup.num_tokens": 2})
+    assert isinstance(drafter, decoding.CombinedDrafter) and drafter.hidden_layers == (-1,)
+    medusa_part, lookup_part = drafter.drafters
+    assert len(medusa_part.template) == 3 and lookup_part.num_tokens == 2
+    with pytest.raises(ValueError, match="not among"):
+        make_drafter("medusa+lookup", model, str(tmp_path / "h"), **{"layer-skip.x": 1})
+    method = parse_method(f"medusa:{tmp_path / 'h'}+lookup")
+    prompt = _repetitive_prompt(model.config.vocab_size, 0)
+    settings = GenSettings(max_new_tokens=12)
+    assert method.generate(model, prompt, settings).tokens == parse_method("vanilla").generate(model, prompt, settings).tokens
+    with pytest.raises(KeyError, match="unknown drafter 'medusae'"):
+        parse_method("medusae:x+lookup")
