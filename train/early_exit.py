@@ -19,14 +19,8 @@ The result (config.json + model.safetensors + README with top-1 agreement before
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-import shlex
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 # This script is itself named early_exit.py: drop its folder from the import path so `early_exit` is the package.
@@ -79,14 +73,6 @@ class EarlyExitLossConfig:
 
 
 @dataclasses.dataclass
-class LoraConfig:
-    r: int = 8  # LoRA rank
-    alpha: int = 16  # LoRA scaling numerator
-    dropout: float = 0.0  # LoRA dropout
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])  # adapted layers
-
-
-@dataclasses.dataclass
 class DraftDefaults:
     max_depth: int = 6  # chain length / deepest tree level when drafting
     top_k: int = 1  # children per node (1 = chain)
@@ -107,7 +93,7 @@ class EarlyExitRecipeConfig:
     classifier: ClassifierConfig = dataclasses.field(default_factory=ClassifierConfig)  # what is trained
     draft: DraftDefaults = dataclasses.field(default_factory=DraftDefaults)  # draft policy saved with it
     layerskip: EarlyExitLossConfig = dataclasses.field(default_factory=EarlyExitLossConfig)  # method: layerskip
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # method: layerskip backbone adapter
+    lora: T.LoraConfig = dataclasses.field(default_factory=T.LoraConfig)  # method: layerskip backbone adapter
     data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)  # training data
     optim: T.OptimConfig = dataclasses.field(default_factory=T.OptimConfig)  # optimizer and schedule
     logging: T.LoggingConfig = dataclasses.field(default_factory=T.LoggingConfig)  # trackers, checkpoints
@@ -141,68 +127,51 @@ def trained_positions(batch: dict) -> torch.Tensor:
     return batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
 
 
-class EarlyExitRecipe:
+class EarlyExitRecipe(T.Recipe):
+    """An early-exit classifier, distilled (frozen base) or LayerSkip (LoRA backbone); the loop is ``T.Recipe``'s."""
+
+    config_class = EarlyExitRecipeConfig
+    script = "train/early_exit.py"
+    progress_desc = "early-exit"
+    loss_digits = 4
+    final_checkpoint = True  # a later run with more steps can --resume from the final state
+
     def __init__(self, cfg: EarlyExitRecipeConfig, resume: bool = False, argv: list[str] | None = None):
-        self.cfg, self.resume = cfg, resume
-        self.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the classifier
-        self.output_dir = Path(cfg.output_dir)
-        self.heads_dir = Path(cfg.heads_dir or self.output_dir / "heads")
+        super().__init__(cfg, resume, argv)
         self.layerskip = cfg.method == "layerskip"
 
     # ------------------------------------------------------------ setup
     def setup(self):
         cfg, c = self.cfg, self.cfg.classifier
-        self.accelerator = acc = T.make_accelerator(self.output_dir, cfg.logging.report_to,
-                                                    cfg.optim.gradient_accumulation_steps, cfg.seed)
-        self.base, self.tokenizer = T.load_base_model(cfg.model)
-        self.base.requires_grad_(False).eval()
+        self.setup_data()
         self.base_identity = base_model_identity(self.base)  # before any adapter: what the classifier records
-        self.train_examples, self.eval_examples = T.prepare_examples(
-            cfg.data, self.base, self.tokenizer, self.output_dir / "data", acc, cfg.seed)
         vocab = self.base.get_output_embeddings().weight.shape[0]
         draft_vocab = None if c.draft_vocab_size is None else frequent_tokens(self.train_examples, c.draft_vocab_size, vocab)
         self.classifier = new_classifier(self.base, c.exit_layer, adapter_layers=c.adapter_layers, adapter=c.adapter,
                                          adapter_heads=c.adapter_heads, own_norm=c.own_norm, draft_vocab=draft_vocab)
         self.classifier.config.policy = dataclasses.asdict(cfg.draft)
         if self.layerskip:
-            from peft import LoraConfig as PeftLoraConfig, get_peft_model
-
             ls = cfg.layerskip
             self.loss_layers = resolve_loss_layers(c.exit_layer, num_layers(self.base), loss_layers=ls.loss_layers,
                                                    loss_every=ls.loss_every, layer_weights=ls.layer_weights,
                                                    weight_rule=ls.weight_rule)
             decoder = self.base.get_decoder()
-            lora = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                  target_modules=list(cfg.lora.target_modules))
-            self.peft = get_peft_model(self.base, lora)  # injects adapters in place: the decoder now runs them
+            self.add_lora()  # the decoder now runs the adapters
             trained = EarlyExitBackbone(decoder)
         else:
             trained = self.classifier
         self._check_trainable(trained)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        global_batch = cfg.optim.batch_size * acc.num_processes
-        self.steps_per_epoch = max(1, len(self.train_examples) // (global_batch * cfg.optim.gradient_accumulation_steps))
-        self.total_steps = min(cfg.optim.max_steps or 10**12, self.steps_per_epoch * cfg.optim.epochs)
-        params = [p for p in trained.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, T.lr_lambda(cfg.optim, self.total_steps))
         # Only what trains is prepared (and checkpointed): the classifier, or (layerskip) the LoRA-adapted decoder.
-        self.model, self.optimizer, self.scheduler = acc.prepare(trained, optimizer, scheduler)
+        self.setup_optimizer(trained)
         use_draft = cfg.loss_vocab == "draft" or (cfg.loss_vocab == "auto" and draft_vocab is not None)
         self.loss_rows = self.classifier.draft_vocab.clone() if use_draft and not self.layerskip else None
         self.hidden_cache = self._hidden_cache() if cfg.cache_hidden_states and not self.layerskip else None
-        self.step = 0
-        if self.resume and (ckpt := T.latest_checkpoint(self.output_dir)) is not None:
-            self.step = T.load_checkpoint(acc, ckpt)["step"]
-            acc.print(f"resumed from {ckpt} (step {self.step})")
-        if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_text(json.dumps(T.config_to_dict(cfg), indent=2))
-        acc.init_trackers(cfg.logging.project, config=T.flat_config(cfg))
+        self.setup_run()
         trainable, _ = T.count_parameters(self.model)
         what = f"layerskip, loss layers {self.loss_layers}" if self.layerskip else "distill"
-        acc.print(f"early-exit at layer {c.exit_layer} ({what}): {len(self.train_examples)} train / "
-                  f"{len(self.eval_examples)} eval examples, {self.total_steps} steps, {trainable:,} trainable parameters")
+        self.accelerator.print(f"early-exit at layer {c.exit_layer} ({what}): {len(self.train_examples)} train / "
+                               f"{len(self.eval_examples)} eval examples, {self.total_steps} steps, "
+                               f"{trainable:,} trainable parameters")
 
     def _check_trainable(self, trained: torch.nn.Module):
         """distill: exactly the classifier's parameters train. layerskip: exactly the LoRA parameters (the
@@ -238,18 +207,29 @@ class EarlyExitRecipe:
                     for i, e in enumerate(chunk)]
         return out
 
-    def _cached_states(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        states = [torch.zeros(len(indices), width, self.base.config.hidden_size) for _ in range(2)]
-        for row, i in enumerate(indices):
-            for which in range(2):
-                part = self.hidden_cache[i][which]
-                states[which][row, :len(part)] = part
-        return states[0], states[1]
+    def make_batch(self, indices: list[int]) -> dict:
+        """The micro-batch, with the frozen base's cached ``exit_hidden`` and ``final_hidden`` when there is a
+        cache."""
+        batch = super().make_batch(indices)
+        if self.hidden_cache is not None:
+            width = batch["input_ids"].shape[1]
+            states = [torch.zeros(len(indices), width, self.base.config.hidden_size) for _ in range(2)]
+            for row, i in enumerate(indices):
+                for which in range(2):
+                    part = self.hidden_cache[i][which]
+                    states[which][row, :len(part)] = part
+            batch["exit_hidden"], batch["final_hidden"] = states
+        return batch
 
-    def loss(self, batch: dict, denominator: torch.Tensor, indices: list[int] | None = None):
+    def counts(self, batch: dict) -> torch.Tensor:
+        """Trained positions: every term of the loss averages over them."""
+        return trained_positions(batch).sum()
+
+    def loss(self, batch: dict, denominator: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, per-term losses)``: summed over this process's trained positions, over the global
         per-process count. distill: KL(full || exit) (with a draft vocabulary as ``loss_vocab`` both distributions
-        are renormalised over those rows). layerskip: the weighted early-exit cross entropy of every loss layer."""
+        are renormalised over those rows), no separate terms. layerskip: the weighted early-exit cross entropy of
+        every loss layer, one term per layer."""
         valid = trained_positions(batch)
         if self.layerskip:
             hidden_states = self.model(batch["input_ids"], batch["attention_mask"])
@@ -257,9 +237,9 @@ class EarlyExitRecipe:
                                       self.loss_layers, self.cfg.loss_chunk_size)
             terms = [t / denominator for t in terms]
             total = sum(w * t for (_, w), t in zip(self.loss_layers, terms))
-            return total, {f"layer{layer}_loss": t.detach().item() for (layer, _), t in zip(self.loss_layers, terms)}
-        if self.hidden_cache is not None and indices is not None:
-            exit_hidden, final_hidden = self._cached_states(indices, batch["input_ids"].shape[1])
+            return total, torch.stack([t.detach() for t in terms])
+        if "exit_hidden" in batch:
+            exit_hidden, final_hidden = batch["exit_hidden"], batch["final_hidden"]
         else:
             exit_hidden, final_hidden = self.base_states(batch)
         # The whole (shifted) sequence goes in: an attention adapter attends causally over earlier positions.
@@ -271,56 +251,12 @@ class EarlyExitRecipe:
             weight = weight[self.loss_rows]
             bias = None if bias is None else bias[self.loss_rows]
         kl = T.chunked_kl(features, final_hidden[:, :-1][valid], weight, self.cfg.loss_chunk_size, bias)
-        return kl / denominator, {}
+        return kl / denominator, torch.zeros(0)
 
-    # ------------------------------------------------------------ train
-    def _step_batches(self, step: int) -> list[list[int]]:
-        return T.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
-                              self.cfg.seed)
-
-    def train(self):
-        cfg, acc = self.cfg, self.accelerator
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="early-exit", disable=not acc.is_local_main_process)
-        self.model.train()
-        self.history = []
-        started = time.time()
-        while self.step < self.total_steps:
-            step_indices = self._step_batches(self.step)
-            batches = [collate([self.train_examples[i] for i in ix], self.pad_id) for ix in step_indices]
-            count = sum(trained_positions(b).sum() for b in batches)
-            denominator = T.global_mean_denominator(acc, torch.as_tensor(count))
-            loss_sum, term_sums = 0.0, Counter()
-            for m, batch in enumerate(batches):
-                with acc.no_sync(self.model) if m < len(batches) - 1 else contextlib.nullcontext():
-                    loss, terms = self.loss(batch, denominator, step_indices[m])
-                    acc.backward(loss)
-                loss_sum += loss.detach().item()
-                term_sums.update(terms)
-            if cfg.optim.max_grad_norm:
-                acc.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            record = {"step": self.step, "loss": acc.reduce(torch.tensor(loss_sum), reduction="mean").item(),
-                      "lr": self.scheduler.get_last_lr()[0],
-                      **{k: acc.reduce(torch.tensor(v), reduction="mean").item() for k, v in term_sums.items()}}
-            self.history.append(record)
-            if self.step % cfg.logging.log_every == 0 or self.step == self.total_steps:
-                acc.log(record, step=self.step)
-                self._append_metrics(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
-            if cfg.logging.save_every and self.step % cfg.logging.save_every == 0:
-                self.save_checkpoint()
-        bar.close()
-        if self.history and not (cfg.logging.save_every and self.step % cfg.logging.save_every == 0):
-            self.save_checkpoint()  # the final state, so a later run with more steps can --resume from it
-        self.train_seconds = time.time() - started
-
-    def save_checkpoint(self):
-        T.save_checkpoint(self.accelerator, self.output_dir, self.step, {"config": T.config_to_dict(self.cfg)},
-                          keep_last=self.cfg.logging.keep_last)
+    def step_record(self, terms: torch.Tensor) -> dict:
+        if not self.layerskip:
+            return {}
+        return {f"layer{layer}_loss": t.item() for (layer, _), t in zip(self.loss_layers, terms)}
 
     # ------------------------------------------------------------ evaluate and save
     @torch.no_grad()
@@ -355,8 +291,7 @@ class EarlyExitRecipe:
         if not acc.is_main_process:
             return
         classifier: ExitClassifier = self.classifier if self.layerskip else acc.unwrap_model(self.model)
-        launcher = "accelerate launch" if "LOCAL_RANK" in os.environ else "python"
-        command = f"{launcher} train/early_exit.py {' '.join(shlex.quote(a) for a in self.argv)}"
+        command = self.command()
         classifier.config.metrics = {
             **metrics, "command": command, "recipe": T.config_to_dict(cfg), "steps": self.step,
             "train_examples": len(self.train_examples),
@@ -367,36 +302,17 @@ class EarlyExitRecipe:
         if not self.layerskip:
             classifier.save_pretrained(self.heads_dir, self.base, notes=notes)
         else:  # the adapter is merged into the base and saved with the classifier, in one atomic write
-            import tempfile
-
-            from selfspec.adapters import export_backbone_adapter
-
-            with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
-                classifier.config.backbone_adapter, self.base = export_backbone_adapter(self.peft, staging)
+            with self.exported_backbone_adapter() as (staging, adapter, merged):
+                classifier.config.backbone_adapter, self.base = adapter, merged
                 classifier.save_pretrained(self.heads_dir, self.base, notes=notes, base_identity=self.base_identity,
                                            backbone_adapter=staging)
         acc.print(f"classifier saved to {self.heads_dir}; top-1 agreement {metrics['top1_agreement']:.3f} "
                   f"(untrained {metrics['untrained_top1_agreement']:.3f})")
 
-    def _append_metrics(self, record: dict):
-        if self.accelerator.is_main_process:
-            with open(self.output_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def cleanup(self):
-        self.accelerator.end_training()
-
 
 def main(argv: list[str] | None = None) -> dict:
-    args = T.parse_recipe_args(argv, __doc__.splitlines()[0])
-    cfg = T.load_config(EarlyExitRecipeConfig, args.config, args.overrides)
-    recipe = EarlyExitRecipe(cfg, resume=args.resume or cfg.resume, argv=argv)
-    recipe.setup()
-    recipe.train()
-    metrics = recipe.evaluate()
-    recipe._append_metrics({"step": recipe.step, **metrics})
-    recipe.save_heads(metrics)
-    recipe.cleanup()
+    recipe = EarlyExitRecipe.from_command_line(argv, __doc__.splitlines()[0])
+    metrics = recipe.run()
     return {**metrics, "history": recipe.history}
 
 

@@ -12,13 +12,9 @@ heads (config.json + model.safetensors + README with per-head accuracies) go to 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shlex
 import sys
-import time
 from pathlib import Path
 
 # This script is itself named medusa.py: drop its folder from the import path so `medusa` is the package.
@@ -50,14 +46,6 @@ class HeadsConfig:
 
 
 @dataclasses.dataclass
-class LoraConfig:
-    r: int = 8  # LoRA rank
-    alpha: int = 16  # LoRA scaling numerator
-    dropout: float = 0.0  # LoRA dropout
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])  # adapted layers
-
-
-@dataclasses.dataclass
 class MedusaRecipeConfig:
     model: str = "smollm2-135m-instruct"  # alias, hub id or local path; tiny:<arch> for a tiny random test model
     output_dir: str = "runs/medusa"  # checkpoints, data, metrics.jsonl, logs
@@ -75,7 +63,7 @@ class MedusaRecipeConfig:
     heads_warmup_steps: int = 0  # medusa2: steps over which the heads' weight ramps linearly from 0
     tree_size: int = 16  # nodes of the default tree saved with the heads (from the measured accuracies)
     heads: HeadsConfig = dataclasses.field(default_factory=HeadsConfig)  # head shape
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # medusa2 adapters
+    lora: T.LoraConfig = dataclasses.field(default_factory=T.LoraConfig)  # medusa2 adapters
     data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)  # training data
     optim: T.OptimConfig = dataclasses.field(default_factory=T.OptimConfig)  # optimizer and schedule
     logging: T.LoggingConfig = dataclasses.field(default_factory=T.LoggingConfig)  # trackers, checkpoints
@@ -113,55 +101,35 @@ def head_targets(batch: dict, k: int):
 RecipeConfig = MedusaRecipeConfig  # the name tests/test_configs.py looks for in every recipe
 
 
-class MedusaRecipe:
-    def __init__(self, cfg: MedusaRecipeConfig, resume: bool = False, argv: list[str] | None = None):
-        self.cfg, self.resume, self.argv = cfg, resume, sys.argv[1:] if argv is None else argv
-        self.output_dir = Path(cfg.output_dir)
-        self.heads_dir = Path(cfg.heads_dir or self.output_dir / "heads")
+class MedusaRecipe(T.Recipe):
+    """Medusa heads on a frozen (medusa1) or LoRA-adapted (medusa2) backbone; the loop is ``T.Recipe``'s."""
+
+    config_class = MedusaRecipeConfig
+    script = "train/medusa.py"
+
+    @property
+    def progress_desc(self) -> str:
+        return self.cfg.method
 
     # ------------------------------------------------------------ setup
     def setup(self):
         cfg = self.cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.accelerator = acc = T.make_accelerator(self.output_dir, cfg.logging.report_to,
-                                                    cfg.optim.gradient_accumulation_steps, cfg.seed)
-        self.base, self.tokenizer = T.load_base_model(cfg.model)
-        self.base.requires_grad_(False)
-        self.train_examples, self.eval_examples = T.prepare_examples(
-            cfg.data, self.base, self.tokenizer, self.output_dir / "data", acc, cfg.seed)
+        self.setup_data()
         heads = MedusaHeads.for_model(self.base, dtype=torch.float32, **dataclasses.asdict(cfg.heads))
         if heads.draft_vocab is not None:
             heads.set_draft_vocab(frequent_tokens(self.train_examples, heads.config.draft_vocab_size,
                                                   heads.config.vocab_size))
         backbone = self.base.get_decoder()
         if cfg.method == "medusa2":
-            from peft import LoraConfig, get_peft_model
-            lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                              target_modules=list(cfg.lora.target_modules))
-            self.peft = get_peft_model(self.base, lora)  # injects adapters in place: backbone now runs them
+            self.add_lora()  # the backbone now runs the adapters
         self.model = MedusaModel(backbone, heads)
         self._check_trainable()
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.hidden_cache = self._hidden_cache() if cfg.method == "medusa1" and cfg.cache_hidden_states else None
-        global_batch = cfg.optim.batch_size * acc.num_processes
-        step_examples = global_batch * cfg.optim.gradient_accumulation_steps
-        self.steps_per_epoch = max(1, len(self.train_examples) // step_examples)
-        self.total_steps = min(cfg.optim.max_steps or 10**12, self.steps_per_epoch * cfg.optim.epochs)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, T.lr_lambda(cfg.optim, self.total_steps))
-        if acc.state.deepspeed_plugin is not None:  # batches are cut by hand, so DeepSpeed cannot infer their size
-            acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.optim.batch_size
-        self.model, self.optimizer, self.scheduler = acc.prepare(self.model, optimizer, scheduler)
-        self.step = 0
-        if self.resume and (ckpt := T.latest_checkpoint(self.output_dir)) is not None:
-            self.step = T.load_checkpoint(acc, ckpt)["step"]
-            acc.print(f"resumed from {ckpt} (step {self.step})")
-        if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_text(json.dumps(T.config_to_dict(cfg), indent=2))
-        acc.init_trackers(cfg.logging.project, config=T.flat_config(cfg))
+        self.setup_optimizer(self.model)
+        self.setup_run()
+        acc = self.accelerator
         trainable, total = T.count_parameters(self.model)
         acc.print(f"{cfg.method}: {len(self.train_examples)} train / {len(self.eval_examples)} eval examples, "
                   f"{self.total_steps} steps, {acc.num_processes} processes, "
@@ -201,8 +169,8 @@ class MedusaRecipe:
         return [states[str(i)] for i in range(len(self.train_examples))]
 
     # ------------------------------------------------------------ loss
-    def _batch(self, indices: list[int]) -> dict:
-        batch = collate([self.train_examples[i] for i in indices], self.pad_id)
+    def make_batch(self, indices: list[int]) -> dict:
+        batch = super().make_batch(indices)
         if self.hidden_cache is not None:
             hidden = torch.zeros(len(indices), batch["input_ids"].shape[1], self.hidden_cache[0].shape[-1])
             for row, i in enumerate(indices):
@@ -210,7 +178,7 @@ class MedusaRecipe:
             batch["hidden_states"] = hidden
         return batch
 
-    def _counts(self, batch: dict) -> torch.Tensor:
+    def counts(self, batch: dict) -> torch.Tensor:
         """``[heads + 1]`` target counts: one per head, then the base next-token targets."""
         counts = [len(head_targets(batch, k)[0]) for k in range(self.cfg.heads.num_heads)]
         counts.append(int((batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()).sum()))
@@ -251,55 +219,11 @@ class MedusaRecipe:
             total = total + cfg.base_loss_weight * base_term
         return total, torch.stack([t.detach() for t in terms] + [base_term.detach()])
 
-    # ------------------------------------------------------------ train
-    def _step_batches(self, step: int) -> list[list[int]]:
-        return T.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
-                              self.cfg.seed)
-
-    def train(self):
-        cfg, acc = self.cfg, self.accelerator
-        bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.method, disable=not acc.is_local_main_process)
-        self.model.train()
-        self.history = []
-        started = time.time()
-        while self.step < self.total_steps:
-            batches = [self._batch(ix) for ix in self._step_batches(self.step)]
-            denominators = T.global_mean_denominator(acc, sum(self._counts(b) for b in batches))
-            logged = torch.zeros(cfg.heads.num_heads + 1)
-            loss_sum = 0.0
-            for m, batch in enumerate(batches):
-                sync = m == len(batches) - 1
-                with (acc.no_sync(self.model) if not sync else contextlib.nullcontext()):
-                    loss, terms = self.loss(batch, denominators)
-                    acc.backward(loss)
-                loss_sum += loss.detach().item()
-                logged += terms
-            if cfg.optim.max_grad_norm:
-                acc.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            loss_all = acc.reduce(torch.tensor(loss_sum), reduction="mean").item()
-            terms_all = acc.reduce(logged, reduction="mean")
-            record = {"step": self.step, "loss": loss_all, "lr": self.scheduler.get_last_lr()[0],
-                      **{f"head{k}_loss": terms_all[k].item() for k in range(cfg.heads.num_heads)}}
-            if cfg.method == "medusa2":
-                record.update(base_loss=terms_all[-1].item(), heads_weight=self.heads_weight())
-            self.history.append(record)
-            if self.step % cfg.logging.log_every == 0 or self.step == self.total_steps:
-                acc.log(record, step=self.step)
-                self._append_metrics(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_all:.3f}")
-            if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
-                self.save_checkpoint()
-        bar.close()
-        self.train_seconds = time.time() - started
-
-    def save_checkpoint(self):
-        T.save_checkpoint(self.accelerator, self.output_dir, self.step, {"config": T.config_to_dict(self.cfg)},
-                          keep_last=self.cfg.logging.keep_last)
+    def step_record(self, terms: torch.Tensor) -> dict:
+        record = {f"head{k}_loss": terms[k].item() for k in range(self.cfg.heads.num_heads)}
+        if self.cfg.method == "medusa2":
+            record.update(base_loss=terms[-1].item(), heads_weight=self.heads_weight())
+        return record
 
     # ------------------------------------------------------------ evaluate and save
     @torch.no_grad()
@@ -349,9 +273,8 @@ class MedusaRecipe:
         heads = acc.unwrap_model(self.model).heads
         heads.config.head_accuracy = metrics["head_accuracy"]
         heads.config.tree = default_tree(metrics["head_accuracy"], size=cfg.tree_size)
-        launcher = "accelerate launch" if "LOCAL_RANK" in os.environ else "python"
         heads.config.training = {
-            "command": f"{launcher} train/medusa.py {' '.join(shlex.quote(a) for a in self.argv)}",
+            "command": self.command(),
             "recipe": T.config_to_dict(cfg),
             "metrics": {"top1": metrics["top1"], "top5": metrics["top5"], "base_top1": metrics["base_top1"],
                         "eval_targets": metrics["eval_targets"], "train_examples": len(self.train_examples),
@@ -364,20 +287,13 @@ class MedusaRecipe:
         if cfg.method == "medusa1":
             heads.save_pretrained(self.heads_dir)  # config.json carries the recipe, the command and the metrics
         else:  # the heads were trained on the adapted backbone: the adapter is saved with them, in one atomic write
-            import tempfile
-            from selfspec.adapters import export_backbone_adapter
-            with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
-                heads.config.backbone_adapter, _ = export_backbone_adapter(self.peft, staging)
+            with self.exported_backbone_adapter() as (staging, adapter, _):
+                heads.config.backbone_adapter = adapter
                 heads.save_pretrained(self.heads_dir, backbone_adapter=staging)
         acc.print(f"heads saved to {self.heads_dir}; top-1 per head: {[round(a, 3) for a in metrics['top1']]}")
 
-    def _append_metrics(self, record: dict):
-        if self.accelerator.is_main_process:
-            with open(self.output_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def cleanup(self):
-        self.accelerator.end_training()
+    def tracked_eval(self, metrics: dict) -> dict:
+        return {f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}
 
 
 def _lm_head(heads: MedusaHeads, k: int):
@@ -396,17 +312,7 @@ def _examples_digest(examples: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = T.parse_recipe_args(argv, __doc__.splitlines()[0])
-    cfg = T.load_config(MedusaRecipeConfig, args.config, args.overrides)
-    recipe = MedusaRecipe(cfg, resume=args.resume or cfg.resume, argv=argv)
-    recipe.setup()
-    recipe.train()
-    metrics = recipe.evaluate()
-    recipe._append_metrics({"step": recipe.step, **metrics})
-    recipe.accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=recipe.step)
-    recipe.save_heads(metrics)
-    recipe.cleanup()
-    return metrics
+    return MedusaRecipe.from_command_line(argv, __doc__.splitlines()[0]).run()
 
 
 if __name__ == "__main__":

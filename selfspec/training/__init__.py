@@ -1,0 +1,27 @@
+"""Shared recipe utilities: YAML -> dataclass configs with ``key=value`` overrides (``config``), the base model
+loader used by recipes, including ``tiny:<arch>`` test models, and accelerate setup with trackers (``runtime``),
+chunked LM-head losses (``losses``), atomic, resumable checkpoints (``checkpoints``) and the ``Recipe`` base class
+of ``train/*.py`` (``recipe``).
+
+Every public name is importable from here: ``from selfspec import training as T; T.load_config(...)``.
+"""
+
+from selfspec.training.checkpoints import (CHECKPOINT_PREFIX, TRAINER_STATE, checkpoint_dir, latest_checkpoint,
+                                           load_checkpoint, save_checkpoint)
+from selfspec.training.config import (DataConfig, LoggingConfig, LoraConfig, OptimConfig, apply_overrides,
+                                      config_to_dict, flat_config, load_config, lr_lambda, parse_recipe_args,
+                                      step_batches)
+from selfspec.training.losses import chunked_cross_entropy, chunked_kl, chunked_rank_counts
+from selfspec.training.recipe import Recipe
+from selfspec.training.runtime import (byte_tokenizer, count_parameters, global_mean_denominator, load_base_model,
+                                       make_accelerator, prepare_examples)
+
+__all__ = [
+    "CHECKPOINT_PREFIX", "TRAINER_STATE", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
+    "DataConfig", "LoggingConfig", "LoraConfig", "OptimConfig", "apply_overrides", "config_to_dict", "flat_config",
+    "load_config", "lr_lambda", "parse_recipe_args", "step_batches",
+    "chunked_cross_entropy", "chunked_kl", "chunked_rank_counts",
+    "Recipe",
+    "byte_tokenizer", "count_parameters", "global_mean_denominator", "load_base_model", "make_accelerator",
+    "prepare_examples",
+]

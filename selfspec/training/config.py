@@ -1,0 +1,200 @@
+"""Recipe configuration: YAML -> dataclass configs with ``key=value`` overrides, the sections every recipe shares
+(data, optimizer, logging, LoRA), the command line, and what the optimizer config decides (the learning-rate
+schedule and the batches of each optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import typing
+from pathlib import Path
+
+import torch
+import yaml
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"config section {where or '<root>'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
+                         f"known keys{' under ' + where if where else ''}: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if _is_dataclass_type(tp):
+            value = _build(tp, value or {}, f"{where}.{name}" if where else name)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid config{' section ' + where if where else ''}: {e}") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=value`` overrides to a nested dict (values parsed as YAML: ``3``, ``true``, ``null``, ``[1, 2]``).
+
+    Raises:
+        ValueError: an override without ``=``.
+    """
+    data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value (or section.key=value)")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a config section")
+            node = child
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    return data
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
+    """Build the dataclass ``cls`` from a YAML file plus ``key=value`` overrides.
+
+    Raises:
+        FileNotFoundError: the YAML file does not exist.
+        ValueError: a key that is not a field (the message names it and lists the known keys), or a bad value.
+    """
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+    return _build(cls, apply_overrides(data, list(overrides)), "")
+
+
+def config_to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def flat_config(config) -> dict:
+    """``{"optim.lr": 0.001, ...}``: a config as flat scalars, the form trackers (wandb, tensorboard) take."""
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from walk(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return dict(walk(config_to_dict(config), ""))
+
+
+def parse_recipe_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """``--config PATH [--resume] [key=value ...]``: the command line shared by every recipe."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="recipe YAML (see configs/)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("overrides", nargs="*", help="config overrides: key=value or section.key=value")
+    return parser.parse_args(argv)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the training conversations come from and how they are tokenized (shared by every recipe)."""
+
+    source: str | None = None  # hub id or local json/jsonl/parquet/arrow file or dir; None: self-distilled data
+    format: str = "auto"  # auto | sharegpt | alpaca | prompt_response | text
+    split: str = "train"  # split of a hub dataset
+    max_length: int = 512  # tokens per example after the chat template (longer ones are truncated)
+    assistant_only: bool = True  # loss on assistant tokens only (False: every token)
+    num_samples: int | None = None  # use at most this many examples (None: all)
+    eval_samples: int = 16  # examples held out for the per-head accuracy
+    distill: bool = False  # with a source: re-answer its prompts with the base model (self-distillation)
+    prompts: str = "builtin"  # without a source: builtin | self (sampled from the model) | path to a prompts dataset
+    num_prompts: int = 64  # prompts to self-generate (prompts=self) or to take at most
+    prompt_max_new_tokens: int = 48  # length limit of a self-generated prompt
+    prompt_temperature: float = 1.0  # sampling temperature of self-generated prompts
+    max_new_tokens: int = 256  # length limit of a self-distilled response
+    temperature: float = 0.0  # response sampling temperature (0: greedy, best for greedy decoding)
+    generation_batch_size: int = 16  # prompts generated at once (left-padded)
+
+    def __post_init__(self):
+        from selfspec.data import FORMATS
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ValueError(f"data.format {self.format!r} is not one of auto, {', '.join(FORMATS)}")
+        if self.max_length < 4 or self.eval_samples < 0 or self.generation_batch_size < 1:
+            raise ValueError("data.max_length must be >= 4, eval_samples >= 0 and generation_batch_size >= 1")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Optimizer and schedule (AdamW, linear warm-up then cosine decay)."""
+
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear warm-up steps
+    schedule: str = "cosine"  # cosine | constant (after warm-up)
+    batch_size: int = 8  # examples per process per micro-batch (global batch = this x processes x accumulation)
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    epochs: int = 1  # passes over the training split
+    max_steps: int | None = None  # stop after this many optimizer steps (None: epochs decide)
+    max_grad_norm: float | None = 1.0  # gradient clipping (None: off)
+
+    def __post_init__(self):
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
+        if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
+            raise ValueError("optim.batch_size, gradient_accumulation_steps and epochs must be >= 1")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """Trackers and checkpoints."""
+
+    report_to: str = "none"  # none | wandb (offline unless WANDB_MODE says otherwise) | tensorboard | all
+    project: str = "selfspec"  # tracker project name
+    log_every: int = 10  # optimizer steps between logged training losses
+    save_every: int | None = None  # optimizer steps between checkpoints (None: only at the end)
+    keep_last: int = 2  # checkpoints kept on disk
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """A LoRA adapter on the backbone (``peft``), for the recipes that fine-tune it."""
+
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA scaling numerator
+    dropout: float = 0.0  # LoRA dropout
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])  # adapted layers
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Multiplier of the peak learning rate at each step: linear warm-up, then cosine to zero or constant."""
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def step_batches(num_examples: int, step: int, steps_per_epoch: int, optim: OptimConfig, accelerator,
+                 seed: int = 0) -> list[list[int]]:
+    """This process's micro-batches of optimizer step ``step``: a per-epoch seeded permutation cut into global
+    batches, of which process ``i`` takes slice ``i``. The same examples are seen in total however many processes
+    run, and a resumed run sees exactly the batches the uninterrupted run would have."""
+    epoch, within = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+    micro, out = optim.batch_size * accelerator.num_processes, []
+    for m in range(optim.gradient_accumulation_steps):
+        start = (within * optim.gradient_accumulation_steps + m) * micro + accelerator.process_index * optim.batch_size
+        out.append(order[start:start + optim.batch_size].tolist())
+    return out

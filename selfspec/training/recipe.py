@@ -1,0 +1,228 @@
+"""The shape every training recipe shares (torchtune's recipe classes): ``setup``, a resumable ``train`` loop,
+``save_checkpoint``, ``evaluate``, ``save_heads`` and ``cleanup``, run in that order by ``run``.
+
+A subclass builds what it trains and says how a micro-batch is made, counted and scored; ``Recipe`` owns the
+optimizer steps, the exact global means under DDP, logging, checkpoints and resuming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.data import collate
+from selfspec.training import checkpoints
+from selfspec.training import config as C
+from selfspec.training import runtime
+
+
+class Recipe:
+    """Base class of the ``train/*.py`` recipes.
+
+    ``cfg`` is the recipe's config dataclass (``config_class``); it has at least ``model``, ``output_dir``,
+    ``heads_dir``, ``seed``, ``resume`` and the ``data``, ``optim`` and ``logging`` sections (plus ``lora`` for
+    ``add_lora``). A subclass implements:
+
+    - ``setup``: ``setup_data``, then build what trains, ``setup_optimizer(module)`` and ``setup_run``;
+    - ``counts(batch)``: how many items each loss term of a micro-batch averages over (a scalar or ``[terms]``);
+    - ``loss(batch, denominators)``: ``(total, per-term [terms] detached)``, sums divided by ``denominators``;
+    - ``step_record(terms)``: the per-step metric fields, from the process mean of the summed per-term losses;
+    - ``evaluate`` and ``save_heads(metrics)``; optionally ``make_batch`` and ``tracked_eval``.
+    """
+
+    config_class: type  # the recipe's config dataclass
+    script: str  # the launched file, recorded in the command saved with the heads
+    progress_desc = "train"  # progress bar label
+    loss_digits = 3  # decimals of the loss in the progress bar
+    final_checkpoint = False  # also checkpoint the last step (so a later run with more steps can --resume from it)
+
+    def __init__(self, cfg, resume: bool = False, argv: list[str] | None = None):
+        self.cfg, self.resume = cfg, resume
+        self.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the heads
+        self.output_dir = Path(cfg.output_dir)
+        self.heads_dir = Path(cfg.heads_dir or self.output_dir / "heads")
+
+    @classmethod
+    def from_command_line(cls, argv: list[str] | None, description: str) -> Recipe:
+        """The recipe that ``--config PATH [--resume] [key=value ...]`` describes (``parse_recipe_args``).
+
+        Raises:
+            FileNotFoundError / ValueError: a missing config file, an unknown key or a bad value.
+        """
+        args = C.parse_recipe_args(argv, description)
+        cfg = C.load_config(cls.config_class, args.config, args.overrides)
+        return cls(cfg, resume=args.resume or cfg.resume, argv=argv)
+
+    def run(self) -> dict:
+        """Set up, train, evaluate (appended to ``metrics.jsonl``), save the heads and clean up; the metrics."""
+        self.setup()
+        self.train()
+        metrics = self.evaluate()
+        self._append_metrics({"step": self.step, **metrics})
+        if tracked := self.tracked_eval(metrics):
+            self.accelerator.log(tracked, step=self.step)
+        self.save_heads(metrics)
+        self.cleanup()
+        return metrics
+
+    # ------------------------------------------------------------ setup
+    def setup(self):
+        raise NotImplementedError
+
+    def setup_data(self):
+        """The accelerator, the frozen base model and its tokenizer, the train/eval examples and the pad id."""
+        cfg = self.cfg
+        self.accelerator = runtime.make_accelerator(self.output_dir, cfg.logging.report_to,
+                                                    cfg.optim.gradient_accumulation_steps, cfg.seed)
+        self.base, self.tokenizer = runtime.load_base_model(cfg.model)
+        self.base.requires_grad_(False).eval()
+        self.train_examples, self.eval_examples = runtime.prepare_examples(
+            cfg.data, self.base, self.tokenizer, self.output_dir / "data", self.accelerator, cfg.seed)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def add_lora(self):
+        """Inject ``cfg.lora`` adapters into the base model in place (``self.peft`` wraps it): every module that
+        holds its decoder now runs them, and they are its only trainable parameters."""
+        from peft import LoraConfig, get_peft_model
+
+        lora = self.cfg.lora
+        self.peft = get_peft_model(self.base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                         target_modules=list(lora.target_modules)))
+
+    def setup_optimizer(self, trained: torch.nn.Module):
+        """Steps per epoch and in total, AdamW over ``trained``'s trainable parameters with the ``optim`` schedule,
+        and all three through ``accelerator.prepare``: ``self.model`` is ``trained``, wrapped for DDP if need be."""
+        cfg, acc = self.cfg, self.accelerator
+        step_examples = cfg.optim.batch_size * acc.num_processes * cfg.optim.gradient_accumulation_steps
+        self.steps_per_epoch = max(1, len(self.train_examples) // step_examples)
+        self.total_steps = min(cfg.optim.max_steps or 10**12, self.steps_per_epoch * cfg.optim.epochs)
+        params = [p for p in trained.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, C.lr_lambda(cfg.optim, self.total_steps))
+        if acc.state.deepspeed_plugin is not None:  # batches are cut by hand, so DeepSpeed cannot infer their size
+            acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.optim.batch_size
+        self.model, self.optimizer, self.scheduler = acc.prepare(trained, optimizer, scheduler)
+
+    def setup_run(self):
+        """Resume from the latest complete checkpoint when asked to, write ``output_dir/config.json`` and start
+        the trackers."""
+        cfg, acc = self.cfg, self.accelerator
+        self.step = 0
+        if self.resume and (ckpt := checkpoints.latest_checkpoint(self.output_dir)) is not None:
+            self.step = checkpoints.load_checkpoint(acc, ckpt)["step"]
+            acc.print(f"resumed from {ckpt} (step {self.step})")
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(C.config_to_dict(cfg), indent=2))
+        acc.init_trackers(cfg.logging.project, config=C.flat_config(cfg))
+
+    # ------------------------------------------------------------ per-recipe parts of a step
+    def make_batch(self, indices: list[int]) -> dict:
+        """The micro-batch of training examples ``indices``."""
+        return collate([self.train_examples[i] for i in indices], self.pad_id)
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, batch: dict, denominators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def step_record(self, terms: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ train
+    def _step_batches(self, step: int) -> list[list[int]]:
+        return C.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
+                              self.cfg.seed)
+
+    def train(self):
+        """Optimizer steps from ``self.step`` (0, or where the checkpoint left off) to ``total_steps``; each step's
+        record goes to ``self.history``, and every ``log_every`` steps to the trackers and ``metrics.jsonl``."""
+        cfg, acc = self.cfg, self.accelerator
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.progress_desc,
+                   disable=not acc.is_local_main_process)
+        self.model.train()
+        self.history = []
+        started = time.time()
+        while self.step < self.total_steps:
+            batches = [self.make_batch(ix) for ix in self._step_batches(self.step)]
+            denominators = runtime.global_mean_denominator(acc, torch.as_tensor(sum(self.counts(b) for b in batches)))
+            loss_sum, step_terms = 0.0, []
+            for m, batch in enumerate(batches):
+                # DDP all-reduces the gradients once per optimizer step, in the backward of its last micro-batch.
+                with acc.no_sync(self.model) if m < len(batches) - 1 else contextlib.nullcontext():
+                    loss, terms = self.loss(batch, denominators)
+                    acc.backward(loss)
+                loss_sum += loss.detach().item()
+                step_terms.append(terms.double())
+            if cfg.optim.max_grad_norm:
+                acc.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            term_sums = sum(step_terms).float()
+            record = {"step": self.step, "loss": acc.reduce(torch.tensor(loss_sum), reduction="mean").item(),
+                      "lr": self.scheduler.get_last_lr()[0],
+                      **self.step_record(acc.reduce(term_sums, reduction="mean") if term_sums.numel() else term_sums)}
+            self.history.append(record)
+            if self.step % cfg.logging.log_every == 0 or self.step == self.total_steps:
+                acc.log(record, step=self.step)
+                self._append_metrics(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.{self.loss_digits}f}")
+            if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        if self.final_checkpoint and self.history:
+            self.save_checkpoint()
+        self.train_seconds = time.time() - started
+
+    def save_checkpoint(self):
+        checkpoints.save_checkpoint(self.accelerator, self.output_dir, self.step,
+                                    {"config": C.config_to_dict(self.cfg)}, keep_last=self.cfg.logging.keep_last)
+
+    # ------------------------------------------------------------ evaluate and save
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+    def tracked_eval(self, metrics: dict) -> dict:
+        """The evaluation metrics to send to the trackers (none by default; ``metrics.jsonl`` has them all)."""
+        return {}
+
+    def save_heads(self, metrics: dict):
+        raise NotImplementedError
+
+    def command(self) -> str:
+        """The command line that ran this recipe, as recorded with the heads."""
+        launcher = "accelerate launch" if "LOCAL_RANK" in os.environ else "python"
+        return f"{launcher} {self.script} {' '.join(shlex.quote(a) for a in self.argv)}"
+
+    @contextlib.contextmanager
+    def exported_backbone_adapter(self):
+        """``(staging, spec, merged model)``: the LoRA adapter saved into a temporary directory under
+        ``output_dir`` and merged into the base (``selfspec.adapters.export_backbone_adapter``), so that
+        ``save_pretrained(..., backbone_adapter=staging)`` writes it with the heads in one atomic step."""
+        import tempfile
+
+        from selfspec.adapters import export_backbone_adapter
+
+        with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
+            spec, merged = export_backbone_adapter(self.peft, staging)
+            yield staging, spec, merged
+
+    def _append_metrics(self, record: dict):
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def cleanup(self):
+        self.accelerator.end_training()

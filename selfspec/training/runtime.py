@@ -1,0 +1,123 @@
+"""What a recipe runs on: the base model (``tiny:<arch>`` test models included), an ``Accelerator`` with trackers,
+the tokenized train/eval examples, and the bookkeeping DDP needs for exact global means.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from selfspec.training.config import DataConfig
+
+
+def load_base_model(name: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)``. ``tiny:<arch>`` builds a tiny random model (``selfspec.testing``) with a byte-level
+    tokenizer that has a chat template, for smoke tests; anything else goes through ``selfspec.models.load_model``."""
+    if name.startswith("tiny:"):
+        from selfspec.testing import tiny_model
+        tokenizer = byte_tokenizer()
+        model = tiny_model(name.split(":", 1)[1], vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                           dtype=dtype)
+        with torch.no_grad():  # a random model would often end a turn at once; never emit special tokens instead
+            model.get_output_embeddings().weight[tokenizer.all_special_ids] = 0
+        return model, tokenizer
+    from selfspec.models import load_model
+    return load_model(name, dtype=dtype)
+
+
+_BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A 260-token byte-level tokenizer (4 specials + 256 bytes) with a ChatML template: no download needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                        bos_token="<|endoftext|>", additional_special_tokens=specials[2:])
+    tokenizer.chat_template = _BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulation_steps: int = 1, seed: int = 0):
+    """An ``Accelerator`` logging to ``report_to`` (``none``, ``wandb``, ``tensorboard``, ...), wandb offline unless
+    ``WANDB_MODE`` says otherwise, with every process seeded identically."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    if report_to == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(output_dir))
+    accelerator = Accelerator(
+        # Without a GPU, say so: then a multi-process launch (torchrun, or `accelerate launch --multi_gpu
+        # --num_processes N`) runs DDP on CPU over gloo instead of N independent single-process runs.
+        cpu=not torch.cuda.is_available(),
+        log_with=None if report_to in ("none", "", None) else report_to,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "logs")),
+    )
+    set_seed(seed)
+    return accelerator
+
+
+def global_mean_denominator(accelerator, count: torch.Tensor) -> torch.Tensor:
+    """The per-process divisor that makes DDP's gradient average equal the mean over all processes' items:
+    ``total_items / num_processes`` (so a 2-process run matches one process with the same global batch)."""
+    total = accelerator.reduce(count.detach().float().clone(), reduction="sum")
+    return total.clamp(min=1.0) / accelerator.num_processes
+
+
+def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, accelerator, seed: int = 0):
+    """``(train, eval)`` tokenized examples for a recipe. Self-distilled data (and self-generated prompts) are made
+    once by the main process under ``work_dir`` and reused when the run resumes.
+
+    Raises:
+        ValueError / FileNotFoundError: bad data (see ``selfspec.data``), before any training starts.
+    """
+    from selfspec import data as D
+    from tqdm.auto import tqdm
+
+    work_dir = Path(work_dir)
+    source = data.source
+    if source is None or data.distill:
+        out = work_dir / "distilled"
+        if accelerator.is_main_process:
+            if data.source is not None:
+                prompts = D.prompts_from_source(data.source, data.num_prompts)
+            else:
+                with tqdm(total=data.num_prompts, desc="prompts", unit="prompt") as bar:
+                    prompts = D.resolve_prompts(data.prompts, model, tokenizer, out, num_prompts=data.num_prompts,
+                                                max_new_tokens=data.prompt_max_new_tokens, seed=seed,
+                                                temperature=data.prompt_temperature,
+                                                batch_size=data.generation_batch_size, progress=bar.update)
+            with tqdm(total=len(prompts), desc="self-distilling", unit="prompt") as bar:
+                D.distill(model, tokenizer, prompts, out, max_new_tokens=data.max_new_tokens, seed=seed,
+                          batch_size=data.generation_batch_size, temperature=data.temperature, progress=bar.update)
+        accelerator.wait_for_everyone()
+        source = str(out)
+    records = D.load_records(source, data.split)
+    examples = D.tokenize_records(records, tokenizer, fmt="sharegpt" if source != data.source else data.format,
+                                  max_length=data.max_length, assistant_only=data.assistant_only,
+                                  num_samples=data.num_samples)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = min(data.eval_samples, len(examples) // 2)
+    if len(examples) - n_eval < 1:
+        raise ValueError(f"only {len(examples)} usable example(s): too few to train on")
+    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
+
+
+def count_parameters(module: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
