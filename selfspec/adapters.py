@@ -46,30 +46,38 @@ def copy_backbone_adapter(staging: str | Path, directory: str | Path) -> None:
     shutil.copytree(staging, Path(directory) / ADAPTER_DIR)
 
 
-def adapter_spec(directory: str | Path) -> dict | None:
-    """The ``backbone_adapter`` entry of the draft module in ``directory``, or ``None`` (no adapter, no config)."""
+def _read_config(directory: str | Path) -> dict:
+    """The draft module's ``config.json`` as a dict (empty when missing or not a JSON object)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        return None
+        return {}
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError:
-        return None
-    spec = data.get("backbone_adapter") if isinstance(data, dict) else None
-    return spec or None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def base_model_name(directory: str | Path) -> str:
-    """The name the base model of the draft module in ``directory`` was loaded by (its ``name_or_path``).
+def adapter_spec(directory: str | Path) -> dict | None:
+    """The ``backbone_adapter`` entry of the draft module in ``directory``, or ``None`` (no adapter, no config)."""
+    return _read_config(directory).get("backbone_adapter") or None
+
+
+def adapted_model_source(directory: str | Path) -> tuple[str, dict, dict] | None:
+    """``(base model name, base identity, adapter spec)`` of a draft module trained with a backbone adapter, read
+    from one ``config.json``; ``None`` when it has no adapter.
 
     Raises:
-        ValueError: the config records no base-model name.
+        ValueError: the config records no base-model name (``base_model.name_or_path``).
     """
-    data = json.loads((Path(directory) / CONFIG_NAME).read_text())
-    name = (data.get("base_model") or {}).get("name_or_path")
-    if not name:
+    data = _read_config(directory)
+    spec = data.get("backbone_adapter")
+    if not spec:
+        return None
+    identity = data.get("base_model") or {}
+    if not identity.get("name_or_path"):
         raise ValueError(f"{directory}/{CONFIG_NAME} does not name its base model (base_model.name_or_path)")
-    return name
+    return identity["name_or_path"], identity, spec
 
 
 def apply_backbone_adapter(model: nn.Module, directory: str | Path, spec: dict, base_identity: dict,

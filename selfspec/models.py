@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
 import os
 import re
@@ -86,14 +85,15 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .adapters import adapter_spec, apply_backbone_adapter, base_model_name
+    from .adapters import adapted_model_source, apply_backbone_adapter
 
-    if name not in ALIASES and Path(name).expanduser().is_dir() and (spec := adapter_spec(Path(name).expanduser())):
+    directory = Path(name).expanduser()
+    source = adapted_model_source(directory) if name not in ALIASES and directory.is_dir() else None
+    if source is not None:
         # A draft-module directory whose training adapted the backbone (Medusa-2, LayerSkip): the model it decodes
         # losslessly is its base with the saved LoRA adapter merged in.
-        directory = Path(name).expanduser()
-        model, tokenizer = load_model(base_model_name(directory), dtype=dtype, device=device)
-        identity = json.loads((directory / "config.json").read_text())["base_model"]
+        base_name, identity, spec = source
+        model, tokenizer = load_model(base_name, dtype=dtype, device=device)
         return apply_backbone_adapter(model, directory, spec, identity, what=f"draft module {directory}"), tokenizer
     if name in ALIASES:
         model, tokenizer = _load_alias(ALIASES[name], dtype)

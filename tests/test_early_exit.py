@@ -17,6 +17,7 @@ from decoding.generate import generate
 from early_exit import (DraftPolicy, EarlyExitDrafter, ExitClassifier, check_supported, make_early_exit_drafter,
                         new_classifier)
 from selfspec.testing import tiny_model
+from test_early_exit_attention import attention_classifier
 
 LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3")
 
@@ -190,24 +191,14 @@ def test_greedy_equality_reduced_vocabulary_and_adapter():
                   prompt(5, seed=3), 32)
 
 
-def attention_classifier(model, exit_layer: int, scale: float = 0.02, **options):
-    """An attention-adapter classifier with small random NONZERO weights: the draft differs from the training-free
-    one but is still accepted often enough that acceptance is exercised."""
-    classifier = new_classifier(model, exit_layer, adapter="attention", adapter_layers=1, **options)
-    generator = torch.Generator().manual_seed(exit_layer)
-    with torch.no_grad():
-        for name, p in classifier.attention.named_parameters():
-            if not name.startswith("norm"):
-                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
-    return classifier
-
-
 @pytest.mark.parametrize("draft", ["chain", "tree"])
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
 def test_greedy_equality_attention_adapter(arch, draft):
     model = tiny_model(arch, dtype=torch.float64)
     options = dict(DRAFTS[draft])
-    classifier = attention_classifier(model, options.pop("exit_layer"))
+    # Small weights: the draft differs from the training-free one but is still accepted often enough.
+    exit_layer = options.pop("exit_layer")
+    classifier = attention_classifier(model, exit_layer, scale=0.02, seed=exit_layer)
     hidden = torch.randn(1, 6, model.config.hidden_size, dtype=torch.float64)
     assert not torch.allclose(classifier(hidden, model), new_classifier(model, classifier.exit_layer)(hidden, model))
     policy = DraftPolicy(max_depth=options["max_depth"], top_k=options.get("top_k", 1), width=options.get("width", 1),
@@ -218,7 +209,7 @@ def test_greedy_equality_attention_adapter(arch, draft):
 
 def test_attention_adapter_save_load_round_trip(tmp_path):
     model = tiny_model("qwen3", dtype=torch.float64)
-    classifier = attention_classifier(model, 2, scale=0.05, adapter_heads=2, draft_vocab=torch.arange(5, 90))
+    classifier = attention_classifier(model, 2, scale=0.05, seed=2, adapter_heads=2, draft_vocab=torch.arange(5, 90))
     classifier.config.policy = {"max_depth": 3, "top_k": 2}
     classifier.save_pretrained(tmp_path / "ee", model)
     names = sorted(p.name for p in (tmp_path / "ee").iterdir() if not p.name.startswith("."))
