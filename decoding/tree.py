@@ -162,7 +162,10 @@ class TreeTemplate:
             raise ValueError(
                 f"tree needs candidates for {self.max_depth} depths x {self.max_rank} ranks, got {tuple(candidates.shape)}"
             )
-        tokens = candidates[self.depth - 1, self.rank]
+        return self.with_tokens(candidates[self.depth - 1, self.rank])
+
+    def with_tokens(self, tokens: torch.Tensor) -> DraftTree:
+        """This shape holding ``tokens`` ``[len(self)]`` (node order), sharing the cached masks and paths."""
         tree = DraftTree(tokens, self.parents)
         # The shape never changes, so share the derived structure instead of recomputing it every step.
         for name in ("_parents_list", "depth", "max_depth", "ancestor_mask", "children", "paths"):

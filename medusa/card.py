@@ -36,7 +36,9 @@ def render_readme(config: MedusaConfig) -> str:
         f"{config.num_heads} heads x {config.num_layers} ResBlock(s), "
         f"{'sharing the base model LM head (not stored here)' if config.share_lm_head else 'each with its own LM head'}; "
         f"hidden size {config.hidden_size}, vocabulary {config.vocab_size}. "
-        "Head k drafts the token k + 2 positions after its input hidden state.",
+        "Head k drafts the token k + 2 positions after its input hidden state"
+        + (" and reads the embedding of the path's token at depth k and head k - 1's state (sequential, "
+           "Hydra-style: each depth is drafted for its parent)." if config.sequential else "."),
         "",
         "```python",
         "import medusa, decoding",

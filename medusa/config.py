@@ -34,6 +34,9 @@ class MedusaConfig:
         draft_vocab_size: draft from only this many LM-head rows (the most frequent tokens of the training data,
             saved with the weights): the heads' top-k costs ``draft_vocab_size / vocab_size`` of a full LM-head
             product. ``None``: the full vocabulary. Verification always scores the full vocabulary.
+        sequential: Hydra-style heads: head ``k`` also reads the embedding of the token drafted at depth ``k`` (the
+            root for head 0) and the state head ``k - 1`` produced for it, so each depth conditions on the path
+            above it (``MedusaHeads.step``). ``False``: Medusa's independent heads, all from the one hidden state.
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
             model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
 
@@ -53,6 +56,7 @@ class MedusaConfig:
     training: dict[str, Any] = field(default_factory=dict)
     backbone_adapter: dict[str, Any] | None = None
     draft_vocab_size: int | None = None
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
@@ -63,6 +67,8 @@ class MedusaConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.sequential, bool):
+            raise ValueError(f"MedusaConfig.sequential must be true or false, got {self.sequential!r}")
         if self.draft_vocab_size is not None:
             if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
                 raise ValueError(f"MedusaConfig.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary of "

@@ -4,6 +4,10 @@
 Drafting costs no base forward: the decode loop already has the final hidden state that predicted the root. Per
 step the work is one batched ResBlock matmul per layer, ONE LM-head matmul for all heads, one top-k, and one
 gather into the tree template; nothing loops over tree nodes in Python.
+
+Sequential heads (``MedusaConfig.sequential``) condition each depth on the path above it, so a depth's candidates
+differ per parent: the drafter runs one batched step per depth over the tree's nodes that have children there
+(``SequentialPlan``, index tensors precomputed from the template), still without a loop over nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from torch import nn
 
 from decoding.drafter import DecodeState, DrafterBase, register_drafter
-from decoding.tree import DraftTree, TreeTemplate
+from decoding.tree import ROOT, DraftTree, TreeTemplate
 
 from .dynamic import DynamicTreeSelector
 from .heads import MedusaHeads
@@ -65,6 +69,48 @@ def resolve_tree(tree: TreeSpec, heads: MedusaHeads) -> TreeTemplate:
     return template
 
 
+class SequentialPlan:
+    """How sequential heads fill a static tree, one depth (one head) at a time.
+
+    Level ``d`` runs head ``d`` on the rows ``inputs[d]`` (nodes at depth ``d`` that have children; the root for
+    ``d = 0``), each from the state its parent's row produced at level ``d - 1`` (``state_rows[d]``) and its own
+    token; the rank-``r`` candidate of a row becomes the token of its child of rank ``r``
+    (``children[d]``, ``child_rows[d]``, ``child_ranks[d]``).
+    """
+
+    def __init__(self, template: TreeTemplate):
+        parents, depth = template.parents.tolist(), template.depth.tolist()
+        expanded = {p for p in parents if p != ROOT}
+        self.inputs, self.state_rows, self.children, self.child_rows, self.child_ranks, self.ranks = \
+            [], [], [], [], [], []
+        inputs, state_rows = [ROOT], [0]
+        for level in range(template.max_depth):
+            row = {node: r for r, node in enumerate(inputs)}
+            children = [i for i, d in enumerate(depth) if d == level + 1]
+            self.inputs.append(torch.tensor(inputs))
+            self.state_rows.append(torch.tensor(state_rows))
+            self.children.append(torch.tensor(children))
+            self.child_rows.append(torch.tensor([row[parents[i]] for i in children]))
+            self.child_ranks.append(template.rank[children])
+            self.ranks.append(int(template.rank[children].max()) + 1)
+            state_rows = [row[parents[i]] for i in children if i in expanded]
+            inputs = [i for i in children if i in expanded]
+
+    def fill(self, heads: MedusaHeads, hidden: torch.Tensor, root: int, template: TreeTemplate) -> DraftTree:
+        """The step's tree from the hidden state ``[1, hidden]`` that predicted ``root``."""
+        tokens = torch.zeros(len(template), dtype=torch.long, device=hidden.device)
+        state, row_tokens = hidden, torch.tensor([root], device=hidden.device)
+        for level in range(len(self.inputs)):
+            if level:
+                row_tokens = tokens[self.inputs[level]]
+            state = heads.step(state[self.state_rows[level]], row_tokens, level)  # [rows, hidden]
+            top = heads.head_draft_logits(state, level).topk(self.ranks[level], dim=-1).indices  # [rows, ranks]
+            if heads.draft_vocab is not None:
+                top = heads.draft_vocab[top]
+            tokens[self.children[level]] = top[self.child_rows[level], self.child_ranks[level]]
+        return template.with_tokens(tokens)
+
+
 class MedusaDrafter(DrafterBase):
     """Drafts a tree from Medusa heads: depth ``d`` holds head ``d - 1``'s top-k tokens.
 
@@ -84,7 +130,11 @@ class MedusaDrafter(DrafterBase):
     def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None):
         self.heads = heads.eval()
         self.template = resolve_tree(tree, heads)
+        if dynamic is not None and heads.config.sequential:
+            raise ValueError("dynamic trees score every depth from one hidden state; sequential heads draft depth "
+                             "by depth: drop dynamic (use a calibrated static tree)")
         self.selector = None if dynamic is None else DynamicTreeSelector(self.template, int(dynamic))
+        self.plan = SequentialPlan(self.template) if heads.config.sequential else None
         self._depth = self.template.max_depth
         self._ranks = self.template.max_rank
 
@@ -95,6 +145,9 @@ class MedusaDrafter(DrafterBase):
         if self._depth == 0:
             return None
         heads = self.heads
+        if self.plan is not None:
+            with torch.no_grad():
+                return self.plan.fill(heads, hidden[0, -1:], state.root, self.template)
         with torch.no_grad():
             features = heads.features(hidden[:, -1:], num_heads=self._depth)
             logits = heads.draft_logits(features).reshape(self._depth, -1)  # [depth, vocab or draft vocab]

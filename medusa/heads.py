@@ -6,6 +6,17 @@ logits, and training starts from the base model's prediction rather than from no
 
 All heads' ResBlock weights live in one stacked tensor, so a layer of every head is one batched matmul, and
 ``features`` returns every head's output at once for a single LM-head matmul (or a chunked one, in training).
+
+Sequential heads (``config.sequential``, after Hydra, Ankner et al. 2024) make each depth see the path above it:
+head ``k`` starts from the state head ``k - 1`` produced (head 0 from the base hidden state) and adds, in its first
+ResBlock, a projection of the embedding of the token at depth ``k`` (the root for head 0)::
+
+    s_0 = h_t
+    s_{k+1} = ResBlocks_k(s_k, E[x_{t+k+1}]),  first block: s + SiLU(W s + U e + b)
+    head k's logits = LM_head(s_{k+1})   -> token t + k + 2
+
+so drafting runs one small step per depth (``step``) instead of one for all depths, and a head no longer has to
+guess the tokens between its input and its target. The embedding table is the base model's (shared, not saved).
 """
 
 from __future__ import annotations
@@ -35,12 +46,16 @@ class MedusaHeads(nn.Module):
         config: the heads' shape; ``hidden_size`` and ``vocab_size`` must be set (``for_model`` fills them).
         lm_head: the base model's LM head (``model.get_output_embeddings()``). Required with ``share_lm_head``;
             with private heads it initialises every head's copy (left at zero when ``None``, to be loaded).
+        embeddings: the base model's input embeddings (``model.get_input_embeddings()``); required by sequential
+            heads, which embed the drafted tokens with them.
 
     Raises:
-        ValueError: ``hidden_size`` / ``vocab_size`` unset, no LM head to share, or an LM head of another shape.
+        ValueError: ``hidden_size`` / ``vocab_size`` unset, no LM head to share, an LM head of another shape, or
+            sequential heads without (or with mis-shaped) embeddings.
     """
 
-    def __init__(self, config: MedusaConfig, lm_head: nn.Module | None = None):
+    def __init__(self, config: MedusaConfig, lm_head: nn.Module | None = None,
+                 embeddings: nn.Module | None = None):
         super().__init__()
         if config.hidden_size is None or config.vocab_size is None:
             raise ValueError("MedusaHeads needs config.hidden_size and config.vocab_size; "
@@ -52,6 +67,17 @@ class MedusaHeads(nn.Module):
         # [head, layer, out, in] and [head, layer, out]: distinct weights per layer and head.
         self.resblock_weight = nn.Parameter(torch.zeros(heads, layers, hidden, hidden))
         self.resblock_bias = nn.Parameter(torch.zeros(heads, layers, hidden))
+        if config.sequential:
+            weight = getattr(embeddings, "weight", None)
+            if weight is None or weight.dim() != 2 or weight.shape[1] != hidden:
+                raise ValueError("sequential Medusa heads need the base model's input embeddings "
+                                 f"(model.get_input_embeddings()) of width {hidden}, got {embeddings!r}")
+            object.__setattr__(self, "shared_embeddings", embeddings)  # the base's, like the shared LM head
+            # [head, out, embedding]: the drafted token's embedding enters head k's first ResBlock.
+            self.token_weight = nn.Parameter(torch.zeros(heads, hidden, hidden))
+        else:
+            object.__setattr__(self, "shared_embeddings", None)
+            self.token_weight = None
         if config.share_lm_head:
             if lm_head is None:
                 raise ValueError("share_lm_head=True needs the base model's LM head (model.get_output_embeddings())")
@@ -80,12 +106,28 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def features(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """``[batch, seq, hidden]`` base hidden states -> ``[num_heads, batch, seq, hidden]`` ResBlock outputs.
+    def features(self, hidden_states: torch.Tensor, num_heads: int | None = None,
+                 tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``[batch, seq, hidden]`` base hidden states -> ``[num_heads, batch, seq, hidden]`` head outputs.
 
-        ``num_heads`` computes only the first heads (a tree of depth ``d`` needs the first ``d``).
+        ``num_heads`` computes only the first heads (a tree of depth ``d`` needs the first ``d``). Sequential heads
+        also need ``tokens`` ``[batch, seq, num_heads]``: ``tokens[b, t, k]`` is the token head ``k`` reads, i.e.
+        ``x_{t+k+1}`` (teacher forcing; ``path_tokens`` builds it from input ids).
+
+        Raises:
+            ValueError: sequential heads without ``tokens`` (or with too few of them).
         """
         k = self.config.num_heads if num_heads is None else num_heads
+        if self.config.sequential:
+            if tokens is None or tokens.shape[-1] < k or tokens.shape[:-1] != hidden_states.shape[:-1]:
+                raise ValueError(f"sequential Medusa heads need tokens [{', '.join(map(str, hidden_states.shape[:-1]))}"
+                                 f", >= {k}] (the path each head reads), got "
+                                 f"{None if tokens is None else tuple(tokens.shape)}")
+            out, state = [], hidden_states
+            for head in range(k):
+                state = self.step(state, tokens[..., head], head)
+                out.append(state)
+            return torch.stack(out)
         hidden = self.config.hidden_size
         lead = hidden_states.shape[:-1]
         x = hidden_states.to(self.resblock_weight.dtype).reshape(1, -1, hidden).expand(k, -1, -1)  # [k, tokens, hidden]
@@ -94,6 +136,20 @@ class MedusaHeads(nn.Module):
             bias = self.resblock_bias[:k, layer].unsqueeze(1)  # [k, 1, out]
             x = x + F.silu(torch.baddbmm(bias, x, weight))
         return x.reshape(k, *lead, hidden)
+
+    def step(self, state: torch.Tensor, tokens: torch.Tensor, head: int) -> torch.Tensor:
+        """Sequential heads: head ``head``'s output state from the previous state ``[..., hidden]`` (the base hidden
+        state for head 0) and the token ids ``[...]`` at its depth. Its logits are ``logits(result[None])[0]``."""
+        if not self.config.sequential:
+            raise ValueError("step() is for sequential heads; these heads all read the one hidden state (features)")
+        embedding = F.embedding(tokens, self.shared_embeddings.weight).to(self.resblock_weight.dtype)
+        x = state.to(self.resblock_weight.dtype)
+        for layer in range(self.config.num_layers):
+            pre = F.linear(x, self.resblock_weight[head, layer], self.resblock_bias[head, layer])
+            if layer == 0:
+                pre = pre + F.linear(embedding, self.token_weight[head])
+            x = x + F.silu(pre)
+        return x
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[k, ..., hidden]`` head features (the first ``k`` heads) -> ``[k, ..., vocab]`` logits."""
@@ -144,10 +200,19 @@ class MedusaHeads(nn.Module):
             out = out + bias[self.draft_vocab]
         return out.reshape(*features.shape[:-1], -1)
 
-    def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    def head_draft_logits(self, features: torch.Tensor, head: int) -> torch.Tensor:
+        """``[rows, hidden]`` outputs of one head -> ``[rows, draft vocab or vocab]`` logits through that head's
+        LM head (the shared one, restricted to the draft vocabulary when there is one)."""
+        if self.shared_lm_head is not None:
+            return self.draft_logits(features.unsqueeze(0))[0]
+        bias = None if self.lm_head_bias is None else self.lm_head_bias[head]
+        return F.linear(features.to(self.lm_head_weight.dtype), self.lm_head_weight[head], bias)
+
+    def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, seq, hidden]`` -> ``[num_heads, batch, seq, vocab]``: head ``k``'s logits for position
-        ``t + k + 2`` from the hidden state at position ``t``."""
-        return self.logits(self.features(hidden_states, num_heads))
+        ``t + k + 2`` from the hidden state at position ``t`` (sequential heads: and ``tokens``, see ``features``)."""
+        return self.logits(self.features(hidden_states, num_heads, tokens))
 
     @classmethod
     def for_model(cls, model: nn.Module, *, dtype: torch.dtype | None = None, **overrides) -> MedusaHeads:
@@ -166,7 +231,7 @@ class MedusaHeads(nn.Module):
         vocab, hidden = lm_head.weight.shape
         config = MedusaConfig.from_dict({**overrides, "hidden_size": int(hidden), "vocab_size": int(vocab),
                                          "base_model": base_model_identity(model)})
-        heads = cls(config, lm_head)
+        heads = cls(config, lm_head, model.get_input_embeddings() if config.sequential else None)
         return heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
 
     def save_pretrained(self, directory: str | Path, *, backbone_adapter: str | Path | None = None) -> Path:
@@ -219,12 +284,25 @@ class MedusaHeads(nn.Module):
                          merge_adapter=merge_adapter)
         lm_head = _output_embeddings(base_model)
         # Cast before loading: loading first would round float64 weights through the float32 init.
-        heads = cls(config, lm_head).to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
+        embeddings = base_model.get_input_embeddings() if config.sequential else None
+        heads = cls(config, lm_head, embeddings).to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
         try:
             heads.load_state_dict(load_file(str(weights)), strict=True)
         except RuntimeError as e:
             raise ValueError(f"{weights} does not match {directory / CONFIG_NAME}: {e}") from None
         return heads.eval()
+
+
+def path_tokens(input_ids: torch.Tensor, num_heads: int, pad_id: int = 0) -> torch.Tensor:
+    """``[batch, seq]`` ids -> ``[batch, seq, num_heads]``: entry ``[b, t, k]`` is ``input_ids[b, t + k + 1]``, the
+    token sequential head ``k`` reads at position ``t`` under teacher forcing (``pad_id`` past the end, where no
+    head has a target anyway)."""
+    batch, seq = input_ids.shape
+    out = torch.full((batch, seq, num_heads), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for k in range(num_heads):
+        if seq > k + 1:
+            out[:, :seq - k - 1, k] = input_ids[:, k + 1:]
+    return out
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module:

@@ -295,13 +295,27 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
                     max_new_tokens: int = 48, temperature: float = 1.0, batch_size: int = 16, seed: int = 0,
                     progress=None) -> list[dict]:
     """``[{"id", "prompt"}]`` from ``spec``: ``builtin`` (``BUILTIN_PROMPTS``), ``self`` (sampled from the model
-    once and kept in ``work_dir/prompts/self.jsonl``, so a resumed run answers the same prompts), or a dataset.
+    once and kept in ``work_dir/prompts/self.jsonl``, so a resumed run answers the same prompts), ``tasks``
+    (request templates filled with subjects, ``selfspec.task_prompts``), or a dataset. Parts joined by ``+`` are
+    concatenated; ``name:N`` takes ``N`` prompts from that part instead of ``num_prompts`` (``self+tasks:768``).
 
     Raises:
-        ValueError: ``self`` without ``num_prompts``, or a dataset without user turns.
+        ValueError: ``self`` or ``tasks`` without a number of prompts, or a dataset without user turns.
     """
     from selfspec.io import atomic_write_text
 
+    if "+" in spec:
+        return [p for part in spec.split("+") for p in resolve_prompts(
+            part, model, tokenizer, work_dir, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+            temperature=temperature, batch_size=batch_size, seed=seed, progress=progress)]
+    name, colon, count = spec.rpartition(":")
+    if colon and count.isdigit() and name in ("builtin", "self", "tasks"):
+        spec, num_prompts = name, int(count)
+    if spec == "tasks":
+        from selfspec.task_prompts import task_prompts
+        if not num_prompts:
+            raise ValueError("task prompts need a number of prompts (num_prompts, or tasks:N)")
+        return [{"id": f"task-{i}", "prompt": p} for i, p in enumerate(task_prompts(num_prompts, seed=seed))]
     if spec == "builtin":
         return [{"id": f"builtin-{i}", "prompt": p} for i, p in enumerate(BUILTIN_PROMPTS[:num_prompts])]
     if spec != "self":

@@ -130,6 +130,23 @@ def test_self_generated_prompts_are_sampled_and_kept(tmp_path):
     assert D.resolve_prompts("self", model, tokenizer, tmp_path, num_prompts=3) == prompts
 
 
+def test_task_prompts_and_joined_prompt_specs(tmp_path):
+    from selfspec.task_prompts import task_prompts
+    prompts = task_prompts(300, seed=1)
+    assert len(set(prompts)) == 300 and prompts == task_prompts(300, seed=1) and prompts != task_prompts(300, seed=2)
+    assert not any("{" in p for p in prompts)  # every placeholder filled
+    assert any(p.startswith("Write a Python function") for p in prompts)
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        task_prompts(0)
+    model, tokenizer = load_base_model("tiny:llama")
+    joined = D.resolve_prompts("builtin:2+tasks:3", model, tokenizer, tmp_path, num_prompts=50)
+    assert [p["id"] for p in joined] == ["builtin-0", "builtin-1", "task-0", "task-1", "task-2"]
+    assert [p["prompt"] for p in joined[2:]] == task_prompts(3)
+    assert len(D.resolve_prompts("tasks", model, tokenizer, tmp_path, num_prompts=4)) == 4
+    with pytest.raises(ValueError, match="task prompts need a number"):
+        D.resolve_prompts("tasks", model, tokenizer, tmp_path)
+
+
 def test_batched_left_padded_generation_equals_one_at_a_time():
     model, tokenizer = load_base_model("tiny:llama")
     prompts = [tokenizer("ab").input_ids, tokenizer("a much longer prompt").input_ids]

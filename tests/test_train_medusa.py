@@ -172,6 +172,49 @@ def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_
     assert heads.config.training["metrics"]["draft_vocab_coverage"] == metrics["draft_vocab_coverage"]
 
 
+def test_draft_vocabulary_loss_trains_on_its_own_rows(recipe, tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 6)
+    r = run_recipe(recipe, args(tmp_path, data, "heads.draft_vocab_size=12", "optim.max_steps=2", "optim.epochs=2"))
+    first, second = (h["loss"] for h in r.history)
+    assert second < first, r.history
+    heads = r.model.heads
+    batch = r.make_batch(list(range(4)))
+    rows, cols, targets, weight, bias = r.loss_targets(batch, 0)
+    _, _, all_targets = recipe.head_targets(batch, 0)
+    kept = [t for t in all_targets.tolist() if t in set(heads.draft_vocab.tolist())]
+    assert 0 < len(kept) < len(all_targets)  # 12 rows do not cover every trained token: some targets are dropped
+    assert heads.draft_vocab[targets].tolist() == kept and bias is None
+    torch.testing.assert_close(weight, heads.shared_lm_head.weight[heads.draft_vocab])
+    full = run_recipe(recipe, args(tmp_path, data, "heads.draft_vocab_size=12", "loss_vocab=full", "optim.max_steps=1",
+                                   f"output_dir={tmp_path / 'full'}"))
+    assert full.draft_rows is None and len(full.loss_targets(batch, 0)[2]) == len(all_targets)
+    with pytest.raises(ValueError, match="loss_vocab: draft needs heads.draft_vocab_size"):
+        run_recipe(recipe, args(tmp_path, data, "loss_vocab=draft", f"output_dir={tmp_path / 'bad'}"))
+
+
+def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
+    import decoding
+    import medusa
+    data = conversations(tmp_path / "d.jsonl", 6)
+    r = run_recipe(recipe, args(tmp_path, data, "heads.sequential=true", "optim.max_steps=2", "optim.epochs=2"))
+    first, second = (h["loss"] for h in r.history)
+    assert second < first, r.history
+    names = {n for n, p in r.model.named_parameters() if p.requires_grad}
+    assert names == {"heads.resblock_weight", "heads.resblock_bias", "heads.token_weight"}
+    assert float(r.model.heads.token_weight.detach().abs().sum()) > 0  # the token projection did learn
+    recipe.main(args(tmp_path, data, "heads.sequential=true", "optim.max_steps=3", f"output_dir={tmp_path / 's'}"))
+    heads_dir = tmp_path / "s" / "heads"
+    assert set(load_file(str(heads_dir / "model.safetensors"))) == {"resblock_weight", "resblock_bias", "token_weight"}
+    model, _ = recipe.T.load_base_model("tiny:llama")
+    drafter = medusa.load(model, heads_dir, tree=8)
+    assert drafter.plan is not None
+    ids = torch.tensor([[1, 17, 4, 33, 8]])
+    out = decoding.generate(model, drafter, ids, max_new_tokens=20)
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                               min_new_tokens=20, pad_token_id=0)
+    assert out.sequences.tolist() == reference.tolist()
+
+
 # ---------------------------------------------------------------- bad input fails before training
 
 @pytest.mark.parametrize("rows, message", [

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from medusa.heads import MedusaHeads  # noqa: E402
+from medusa.heads import MedusaHeads, path_tokens  # noqa: E402
 from selfspec import training as T  # noqa: E402
 from selfspec.data import collate, frequent_tokens  # noqa: E402
 
@@ -37,6 +37,7 @@ class HeadsConfig:
     num_layers: int = 1  # ResBlocks per head
     share_lm_head: bool = True  # reuse the base LM head (not saved); False: a private, trained head each
     draft_vocab_size: int | None = None  # draft from the N most frequent training tokens only (None: all)
+    sequential: bool = False  # Hydra-style: head k also reads the path's token at depth k (teacher-forced here)
 
     def __post_init__(self):
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
@@ -62,6 +63,7 @@ class MedusaRecipeConfig:
     heads_loss_weight: float = 0.2  # medusa2: weight of the heads' loss after warm-up (medusa1: always 1)
     heads_warmup_steps: int = 0  # medusa2: steps over which the heads' weight ramps linearly from 0
     tree_size: int = 16  # nodes of the default tree saved with the heads (from the measured accuracies)
+    loss_vocab: str = "auto"  # full | draft (cross entropy over the draft vocabulary only: its targets, its rows) | auto
     heads: HeadsConfig = dataclasses.field(default_factory=HeadsConfig)  # head shape
     lora: T.LoraConfig = dataclasses.field(default_factory=T.LoraConfig)  # medusa2 adapters
     data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)  # training data
@@ -73,6 +75,10 @@ class MedusaRecipeConfig:
             raise ValueError(f"method must be medusa1 or medusa2, got {self.method!r}")
         if self.base_loss not in ("lm", "kl", "none"):
             raise ValueError(f"base_loss must be lm, kl or none, got {self.base_loss!r}")
+        if self.loss_vocab not in ("auto", "full", "draft"):
+            raise ValueError(f"loss_vocab must be auto, full or draft, got {self.loss_vocab!r}")
+        if self.loss_vocab == "draft" and self.heads.draft_vocab_size is None:
+            raise ValueError("loss_vocab: draft needs heads.draft_vocab_size")
 
 
 class MedusaModel(nn.Module):
@@ -87,7 +93,10 @@ class MedusaModel(nn.Module):
             trainable = any(p.requires_grad for p in self.backbone.parameters())
             with torch.set_grad_enabled(torch.is_grad_enabled() and trainable):
                 hidden_states = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden_states, self.heads.features(hidden_states)  # [b, s, h], [heads, b, s, h]
+        # Sequential heads read the data's own next tokens: on self-distilled data, exactly the path that greedy
+        # verification accepts.
+        tokens = path_tokens(input_ids, self.heads.num_heads) if self.heads.config.sequential else None
+        return hidden_states, self.heads.features(hidden_states, tokens=tokens)  # [b, s, h], [heads, b, s, h]
 
 
 def head_targets(batch: dict, k: int):
@@ -121,6 +130,13 @@ class MedusaRecipe(T.Recipe):
         if heads.draft_vocab is not None:
             heads.set_draft_vocab(frequent_tokens(self.train_examples, heads.config.draft_vocab_size,
                                                   heads.config.vocab_size))
+        self.draft_rows = self.to_draft = None
+        if heads.draft_vocab is not None and cfg.loss_vocab != "full":
+            # The heads can only ever propose draft-vocabulary tokens: train them on those targets, through those
+            # LM-head rows only (draft_vocab_size / vocab_size of the loss's cost; the LM head is frozen).
+            self.draft_rows = heads.shared_lm_head.weight.detach()[heads.draft_vocab].contiguous()
+            self.to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
+            self.to_draft[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel())
         backbone = self.base.get_decoder()
         if cfg.method == "medusa2":
             self.add_lora()  # the backbone now runs the adapters
@@ -178,9 +194,18 @@ class MedusaRecipe(T.Recipe):
             batch["hidden_states"] = hidden
         return batch
 
+    def loss_targets(self, batch: dict, k: int):
+        """``(rows, cols, targets, weight, bias)`` of head ``k``'s loss: every trained target through the full LM
+        head, or (``loss_vocab`` draft) the targets in the draft vocabulary, as draft indices, through its rows."""
+        rows, cols, targets = head_targets(batch, k)
+        if self.draft_rows is None:
+            return (rows, cols, targets, *_lm_head(self.accelerator.unwrap_model(self.model).heads, k))
+        keep = self.to_draft[targets] >= 0
+        return rows[keep], cols[keep], self.to_draft[targets[keep]], self.draft_rows, None
+
     def counts(self, batch: dict) -> torch.Tensor:
         """``[heads + 1]`` target counts: one per head, then the base next-token targets."""
-        counts = [len(head_targets(batch, k)[0]) for k in range(self.cfg.heads.num_heads)]
+        counts = [len(self.loss_targets(batch, k)[0]) for k in range(self.cfg.heads.num_heads)]
         counts.append(int((batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()).sum()))
         return torch.tensor(counts, dtype=torch.float32)
 
@@ -197,8 +222,7 @@ class MedusaRecipe(T.Recipe):
         hidden, features = self.model(batch["input_ids"], batch["attention_mask"], batch.get("hidden_states"))
         terms = []
         for k in range(cfg.heads.num_heads):
-            rows, cols, targets = head_targets(batch, k)
-            weight, bias = _lm_head(unwrapped.heads, k)
+            rows, cols, targets, weight, bias = self.loss_targets(batch, k)
             terms.append(T.chunked_cross_entropy(features[k, rows, cols], weight, targets, cfg.loss_chunk_size, bias)
                          / denominators[k])
         total = self.heads_weight() * sum(cfg.head_decay ** k * t for k, t in enumerate(terms))

@@ -1,0 +1,181 @@
+"""Sequential (Hydra-style) Medusa heads on tiny random models: the step against a hand-written reference, teacher
+forcing against step-by-step drafting, every tree node against its own path walked independently, save/load, and
+greedy equality with the base model's ``generate`` on every tiny architecture and several trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import decoding
+from decoding import DecodeState, SamplingParams, TreeTemplate
+from medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from medusa.heads import path_tokens
+from selfspec.testing import tiny_model
+
+VOCAB = 96
+
+
+def randomize(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> MedusaHeads:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return heads
+
+
+def sequential_heads(model, seed: int = 0, **overrides) -> MedusaHeads:
+    """Random heads in which both the parent state and the token matter: small ResBlock weights (larger ones grow
+    the state 3x per depth until it drowns the token) and a token projection scaled up to the tiny models'
+    ~0.1-norm embeddings, so ``U e`` is about as large as ``W s``."""
+    overrides = {"num_heads": 3, **overrides}
+    heads = randomize(MedusaHeads.for_model(model, sequential=True, **overrides), scale=0.1, seed=seed)
+    with torch.no_grad():
+        heads.token_weight.mul_(100.0)  # randn * 10
+        if heads.lm_head_weight is not None:  # private LM heads: spread over the vocabulary, unlike the tiny base's
+            heads.lm_head_weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return heads
+
+
+def head_logits(heads: MedusaHeads, model, state: torch.Tensor, k: int) -> torch.Tensor:
+    if heads.shared_lm_head is not None:
+        return model.get_output_embeddings()(state)
+    return heads.lm_head_weight[k] @ state
+
+
+def reference_step(heads: MedusaHeads, state: torch.Tensor, token: int, k: int) -> torch.Tensor:
+    """Head ``k`` written out for one vector: s + SiLU(W s + U e + b), then plain ResBlocks."""
+    e = heads.shared_embeddings.weight[token]
+    x = state
+    for layer in range(heads.config.num_layers):
+        pre = heads.resblock_weight[k, layer] @ x + heads.resblock_bias[k, layer]
+        if layer == 0:
+            pre = pre + heads.token_weight[k] @ e
+        x = x + F.silu(pre)
+    return x
+
+
+def test_config_and_construction_errors(tiny_llama64):
+    with pytest.raises(ValueError, match="sequential must be true or false"):
+        MedusaConfig(sequential="yes")
+    config = MedusaHeads.for_model(tiny_llama64, num_heads=2, sequential=True).config
+    with pytest.raises(ValueError, match="need the base model's input embeddings"):
+        MedusaHeads(config, tiny_llama64.get_output_embeddings())
+    heads = MedusaHeads.for_model(tiny_llama64, num_heads=2, sequential=True)
+    hidden = torch.zeros(1, 4, heads.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(ValueError, match="need tokens"):
+        heads.features(hidden)
+    with pytest.raises(ValueError, match="step\\(\\) is for sequential heads"):
+        MedusaHeads.for_model(tiny_llama64, num_heads=2).step(hidden[0], torch.zeros(4, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="drop dynamic"):
+        MedusaDrafter(heads, tree=4, dynamic=2)
+
+
+def test_zero_init_sequential_heads_equal_the_base_prediction(tiny_llama64):
+    heads = MedusaHeads.for_model(tiny_llama64, num_heads=3, num_layers=2, sequential=True)
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = tiny_llama64(ids, output_hidden_states=True)
+        logits = heads(out.hidden_states[-1], tokens=path_tokens(ids, 3))
+    for k in range(3):
+        torch.testing.assert_close(logits[k], out.logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_teacher_forced_features_match_the_step_written_out(tiny_llama64, num_layers):
+    heads = sequential_heads(tiny_llama64, num_layers=num_layers)
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    hidden = torch.randn(2, 9, heads.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    tokens = path_tokens(ids, 3)
+    assert tokens[1, 2].tolist() == ids[1, 3:6].tolist() and tokens[0, 8].tolist() == [0, 0, 0]
+    features = heads.features(hidden, tokens=tokens)
+    assert features.shape == (3, 2, 9, heads.config.hidden_size)
+    torch.testing.assert_close(heads.features(hidden, num_heads=2, tokens=tokens), features[:2])
+    for b, t in [(0, 0), (1, 4), (1, 8)]:
+        state = hidden[b, t]
+        for k in range(3):
+            state = reference_step(heads, state, int(tokens[b, t, k]), k)
+            torch.testing.assert_close(features[k, b, t], state)
+
+
+TREES = {"chain4": TreeTemplate.chain(4).choices,
+         "branchy": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 1, 0], [1, 1, 0],
+                     [0, 0, 0, 0]],
+         "default16": 16,
+         "full3x3x2": [[a] for a in range(3)] + [[a, b] for a in range(3) for b in range(3)]
+         + [[a, b, c] for a in range(3) for b in range(3) for c in range(2)],
+         "wide": [[r] for r in range(24)] + [[r, 0] for r in range(6)] + [[0, r] for r in range(1, 5)]
+         + [[0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]}
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("share", [True, False])
+def test_every_node_is_its_own_paths_top_k(tiny_llama64, tree, share):
+    # Private random LM heads spread the candidates over the vocabulary, so that a node built from the wrong
+    # parent state or token would show; the shared tiny LM head favours a few tokens whatever the state.
+    heads = sequential_heads(tiny_llama64, num_heads=4, seed=4, share_lm_head=share)
+    drafter = MedusaDrafter(heads, tree=TREES[tree])
+    ids = torch.tensor([[1, 7, 3, 11, 5]])
+    with torch.no_grad():
+        hidden = tiny_llama64(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+    draft = drafter.propose(DecodeState(model=tiny_llama64, cache=None, sequence=ids, sampling=SamplingParams(),
+                                        hidden={-1: hidden}))
+    template = drafter.template
+    assert torch.equal(draft.parents, template.parents)
+    tokens, parents = draft.tokens.tolist(), template.parents.tolist()
+    for i, rank in enumerate(template.rank.tolist()):
+        # Walk node i's path from the root: root token first, then each ancestor's token, one head per depth.
+        path = []
+        node = parents[i]
+        while node != -1:
+            path.append(tokens[node])
+            node = parents[node]
+        state = hidden[0, -1]
+        with torch.no_grad():
+            for k, token in enumerate([5] + path[::-1]):
+                state = reference_step(heads, state, token, k)
+            logits = head_logits(heads, tiny_llama64, state, len(path))
+            assert tokens[i] == int(logits.topk(rank + 1).indices[rank]), f"node {i} of tree {tree}"
+    if not share:
+        assert len(set(tokens)) > len(tokens) // 2, f"degenerate draft {tokens}: the test would not discriminate"
+
+
+def test_reduced_draft_vocabulary_and_save_load(tiny_llama64, tmp_path):
+    heads = sequential_heads(tiny_llama64, num_heads=3, draft_vocab_size=40, seed=6)
+    vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]
+    heads.set_draft_vocab(vocab)
+    heads.save_pretrained(tmp_path / "h")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", tiny_llama64)
+    assert loaded.config.sequential and torch.equal(loaded.token_weight, heads.token_weight)
+    ids = torch.tensor([[1, 7, 3, 11, 5]])
+    with torch.no_grad():
+        hidden = tiny_llama64(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+    state = DecodeState(model=tiny_llama64, cache=None, sequence=ids, sampling=SamplingParams(), hidden={-1: hidden})
+    tree = TREES["branchy"][:9]
+    a, b = MedusaDrafter(heads, tree=tree).propose(state), MedusaDrafter(loaded, tree=tree).propose(state)
+    assert a.tokens.tolist() == b.tokens.tolist() and set(a.tokens.tolist()) <= set(vocab.tolist())
+    # Depth 1 is head 0's top-k over the draft vocabulary, from the root's state.
+    with torch.no_grad():
+        s = reference_step(heads, hidden[0, -1], 5, 0)
+        full = tiny_llama64.get_output_embeddings()(s)
+    assert a.tokens[:3].tolist() == vocab[full[vocab].topk(3).indices].tolist()
+
+
+def _greedy_reference(model, ids, max_new_tokens):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                          min_new_tokens=max_new_tokens, pad_token_id=0)
+
+
+def test_greedy_equality(tiny_arch):
+    model = tiny_model(tiny_arch, dtype=torch.float64)
+    heads = sequential_heads(model, num_heads=4, seed=3)
+    accepted = 0
+    for prompt in ([1, 17, 4, 33, 8], [1, 60, 61, 2, 9, 9, 40, 12, 3]):
+        ids = torch.tensor([prompt])
+        reference = _greedy_reference(model, ids, 24).tolist()
+        for name, tree in TREES.items():
+            out = decoding.generate(model, MedusaDrafter(heads, tree=tree), ids, max_new_tokens=24)
+            assert out.sequences.tolist() == reference, f"tree {name}, prompt {prompt}"
+            accepted += sum(out.stats.accepted_per_step)
+    assert accepted > 0, "no draft accepted: the accept path did not run"
