@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-from transformers import DynamicCache
 
 from . import cache as kv
 from . import verify
 from .drafter import DecodeState, Drafter, EmptyDrafter, SamplingParams
 from .tree import DraftTree
+
+
+# Cache entries preallocated beyond prompt + max_new_tokens, for the tree of the last step (more grows the buffer).
+_TREE_SLACK = 128
 
 
 @dataclass
@@ -33,7 +36,9 @@ class GenerationStats:
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0
-    time_accept: float = 0.0
+    time_accept: float = 0.0  # choosing the accepted path (greedy or speculative sampling)
+    time_compact: float = 0.0  # rolling the KV cache back to the accepted path
+    time_observe: float = 0.0  # the drafter's bookkeeping after a step (e.g. prefix attention, adapter caches)
     time_total: float = 0.0
 
     @property
@@ -50,7 +55,8 @@ class GenerationStats:
             "tau": self.tau, "tokens_per_s": self.tokens_per_s,
             "accepted_per_step": self.accepted_per_step, "tree_sizes": self.tree_sizes,
             "time": {"prefill": self.time_prefill, "draft": self.time_draft, "verify": self.time_verify,
-                     "accept": self.time_accept, "total": self.time_total},
+                     "accept": self.time_accept, "compact": self.time_compact, "observe": self.time_observe,
+                     "total": self.time_total},
         }
 
 
@@ -211,7 +217,7 @@ def generate(
     start = time.perf_counter()
 
     # 1. Prefill: the whole prompt, logits for the last position only.
-    cache = DynamicCache(config=model.config)
+    cache = kv.new_cache(model, capacity=input_ids.shape[1] + max_new_tokens + _TREE_SLACK)
     out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1)
     root = _choose(out.logits[0, -1], sampling, generator)
     new_tokens = [root]
@@ -263,7 +269,9 @@ def generate(
         if len(step_tokens) >= remaining:
             step_tokens = step_tokens[:remaining]
             done = True
+        t3 = time.perf_counter()
         kv.keep_accepted(state.cache, prefix_length, verdict.accepted)
+        t4 = time.perf_counter()
         keep_rows = [0] + [i + 1 for i in verdict.accepted]
         if want_hidden:
             index = torch.tensor(keep_rows, device=device)
@@ -278,12 +286,15 @@ def generate(
         stats.accepted_per_step.append(len(verdict.accepted))
         stats.tokens_per_step.append(len(step_tokens))
         stats.tree_sizes.append(len(tree))
+        t5 = time.perf_counter()
         if not done:
             drafter.observe(state)
-        t3 = time.perf_counter()
+        t6 = time.perf_counter()
         stats.time_draft += t1 - t0
         stats.time_verify += t2 - t1
-        stats.time_accept += t3 - t2
+        stats.time_accept += (t3 - t2) + (t5 - t4)
+        stats.time_compact += t4 - t3
+        stats.time_observe += t6 - t5
 
     if streamer is not None:
         streamer.end()

@@ -14,6 +14,8 @@ import copy
 import torch
 from torch import nn
 
+from selfspec.attention import LayerCache, apply_rotary, causal_mask
+
 ADAPTER_KINDS = ("resblock", "attention")
 
 
@@ -30,67 +32,8 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class AdapterCache:
-    """Keys and values of the attention adapter for the positions seen so far: ``[batch, heads, n, head_dim]``."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[b, heads, q, head_dim]`` entries; returns every key and value held now."""
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions.
-
-        Raises:
-            RuntimeError: the cache holds fewer than ``length`` positions.
-        """
-        if length > self.length:
-            raise RuntimeError(f"adapter cache holds {self.length} positions, cannot crop to {length}")
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-    def reset(self) -> None:
-        self.keys = self.values = None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the Llama family applies it (rotate-half), on the first ``cos.shape[-1]`` dims of each head."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None], sin[:, None]  # [b, 1, q, rot]: broadcast over heads
-    rotated = x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin
-    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
-
-
-def causal_mask(query_positions: torch.Tensor, key_length: int, padding: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
-    """``[b, 1, q, k]`` additive mask: query at absolute position ``p`` sees keys ``0..p``, minus padded keys.
-
-    ``padding``: ``[b, k]`` with 1 for real tokens (the whole key range), or None.
-    """
-    keys = torch.arange(key_length, device=query_positions.device)
-    keep = keys[None, None, :] <= query_positions[:, :, None]  # [b, q, k]
-    if padding is not None:
-        keep = keep & padding[:, None, :].bool()
-    mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    mask.masked_fill_(~keep, torch.finfo(dtype).min)
-    return mask[:, None]
+#: The attention adapter's one-layer KV cache (``selfspec.attention.LayerCache``).
+AdapterCache = LayerCache
 
 
 class AttentionAdapter(nn.Module):
@@ -122,7 +65,7 @@ class AttentionAdapter(nn.Module):
         return x.view(b, q, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, q, head_dim]
 
     def _keys_values(self, normed: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        return _apply_rotary(self._split(self.k_proj(normed)), cos, sin), self._split(self.v_proj(normed))
+        return apply_rotary(self._split(self.k_proj(normed)), cos, sin), self._split(self.v_proj(normed))
 
     def extend(self, hidden: torch.Tensor, model, position_ids: torch.Tensor, cache: AdapterCache) -> None:
         """Append the keys and values of ``hidden`` ``[b, q, hidden]`` at ``position_ids`` ``[b, q]`` to ``cache``
@@ -153,7 +96,7 @@ class AttentionAdapter(nn.Module):
             position_ids = torch.arange(start, start + q, device=hidden.device)[None].expand(b, q)
         cos, sin = model.model.rotary_emb(hidden, position_ids=position_ids)
         normed = self.norm(hidden)
-        query = _apply_rotary(self._split(self.q_proj(normed)), cos, sin)
+        query = apply_rotary(self._split(self.q_proj(normed)), cos, sin)
         keys, values = self._keys_values(normed, cos, sin)
         if cache is not None:
             keys, values = cache.append(keys, values)

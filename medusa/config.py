@@ -37,6 +37,12 @@ class MedusaConfig:
         sequential: Hydra-style heads: head ``k`` also reads the embedding of the token drafted at depth ``k`` (the
             root for head 0) and the state head ``k - 1`` produced for it, so each depth conditions on the path
             above it (``MedusaHeads.step``). ``False``: Medusa's independent heads, all from the one hidden state.
+        prefix_attention: start the heads from one causal attention block over the base's last hidden states,
+            each position also reading its next token (``medusa.context.PrefixAttention``; Hydra++'s prefix
+            attention with EAGLE's token-conditioned input). Its KV cache holds only verified positions.
+        prefix_mlp_size: inner size of the prefix block's SwiGLU MLP (0: attention only).
+        prefix_num_heads, prefix_head_dim: the prefix block's attention shape (filled from the base model: its
+            rotary embedding sets the head size).
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
             model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
 
@@ -57,6 +63,10 @@ class MedusaConfig:
     backbone_adapter: dict[str, Any] | None = None
     draft_vocab_size: int | None = None
     sequential: bool = False
+    prefix_attention: bool = False
+    prefix_mlp_size: int = 0
+    prefix_num_heads: int | None = None
+    prefix_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
@@ -67,8 +77,16 @@ class MedusaConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.sequential, bool):
-            raise ValueError(f"MedusaConfig.sequential must be true or false, got {self.sequential!r}")
+        for name in ("sequential", "prefix_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MedusaConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("prefix_num_heads", "prefix_head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer or None, got {value!r}")
+        if isinstance(self.prefix_mlp_size, bool) or not isinstance(self.prefix_mlp_size, int) \
+                or self.prefix_mlp_size < 0:
+            raise ValueError(f"MedusaConfig.prefix_mlp_size must be an integer >= 0, got {self.prefix_mlp_size!r}")
         if self.draft_vocab_size is not None:
             if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
                 raise ValueError(f"MedusaConfig.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary of "

@@ -21,8 +21,9 @@ from torch import nn
 
 from decoding.drafter import DecodeState, DrafterBase, register_drafter
 from decoding.tree import ROOT, DraftTree, TreeTemplate
+from selfspec.attention import LayerCache
 
-from .dynamic import DynamicTreeSelector
+from .dynamic import DynamicTreeSelector, SequentialBeam
 from .heads import MedusaHeads
 from .trees import DEFAULT_TREE_SIZE, default_tree
 
@@ -118,8 +119,10 @@ class MedusaDrafter(DrafterBase):
         heads: the heads (on the base model's device; they share its LM head).
         tree: see ``TreeSpec``; default: the heads' saved tree, else a ``DEFAULT_TREE_SIZE``-node tree grown
             from their measured accuracies.
-        dynamic: if set, ``tree`` is a pool and every step keeps only the ``dynamic`` nodes whose paths the heads
-            are most confident of at that step (``DynamicTreeSelector``). ``None``: the static tree as it is.
+        dynamic: if set, every step verifies only the ``dynamic`` nodes whose paths the heads are most confident
+            of at that step. Parallel heads pick them from ``tree`` as a pool (``DynamicTreeSelector``); sequential
+            heads grow them, ``tree``'s depth deep, from the ``width`` best paths per depth with ``top_k`` children
+            each (``SequentialBeam``, EAGLE-2 style). ``None``: the static tree as it is.
 
     Raises:
         ValueError: the tree does not fit the heads, or ``dynamic`` is not between 1 and the tree's size.
@@ -127,16 +130,48 @@ class MedusaDrafter(DrafterBase):
 
     hidden_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None):
+    def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None,
+                 width: int | str = 4, top_k: int | str = 4):
         self.heads = heads.eval()
         self.template = resolve_tree(tree, heads)
-        if dynamic is not None and heads.config.sequential:
-            raise ValueError("dynamic trees score every depth from one hidden state; sequential heads draft depth "
-                             "by depth: drop dynamic (use a calibrated static tree)")
-        self.selector = None if dynamic is None else DynamicTreeSelector(self.template, int(dynamic))
-        self.plan = SequentialPlan(self.template) if heads.config.sequential else None
+        sequential = heads.config.sequential
+        self.beam = self.selector = self.plan = None
+        if dynamic is not None and sequential:
+            depth = self.template.max_depth or heads.num_heads
+            self.beam = SequentialBeam(depth, int(dynamic), int(width), int(top_k))
+        elif dynamic is not None:
+            self.selector = DynamicTreeSelector(self.template, int(dynamic))
+        elif sequential:
+            self.plan = SequentialPlan(self.template)
         self._depth = self.template.max_depth
         self._ranks = self.template.max_rank
+        # Prefix attention: its KV cache of verified positions, and its output at the last one (the start state).
+        self.context_cache = LayerCache() if heads.prefix is not None else None
+        self._start: torch.Tensor | None = None
+
+    def begin(self, state: DecodeState) -> None:
+        if self.context_cache is not None:
+            self.context_cache.reset()
+            self._extend(state)
+
+    def observe(self, state: DecodeState) -> None:
+        if self.context_cache is not None:
+            self._extend(state)
+
+    def _extend(self, state: DecodeState) -> None:
+        """Run the prefix attention over the positions the last forward added to the base cache (``state.hidden``);
+        each one's next token is in ``state.sequence`` by now (the last one's is the root)."""
+        hidden = state.hidden.get(-1)
+        if hidden is None:
+            raise RuntimeError("MedusaDrafter needs the last hidden state (hidden_layers=(-1,)) in DecodeState.hidden")
+        start, new = self.context_cache.length, hidden.shape[1]
+        if start + new != state.cache_length:
+            raise RuntimeError(f"prefix-attention cache out of step: {start} + {new} positions, but the base cache "
+                               f"holds {state.cache_length}; call begin() after the prefill")
+        next_tokens = state.sequence[:, start + 1:start + new + 1].to(hidden.device)
+        positions = torch.arange(start, start + new, device=hidden.device)[None]
+        with torch.no_grad():
+            self._start = self.heads.context(hidden, next_tokens, positions, self.context_cache)[:, -1:]
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         hidden = state.hidden.get(-1)
@@ -145,11 +180,15 @@ class MedusaDrafter(DrafterBase):
         if self._depth == 0:
             return None
         heads = self.heads
+        start = hidden[:, -1:] if self.context_cache is None else self._start  # [1, 1, hidden]
+        if self.beam is not None:
+            with torch.no_grad():
+                return self.beam.draft(heads, start[0], state.root)
         if self.plan is not None:
             with torch.no_grad():
-                return self.plan.fill(heads, hidden[0, -1:], state.root, self.template)
+                return self.plan.fill(heads, start[0], state.root, self.template)
         with torch.no_grad():
-            features = heads.features(hidden[:, -1:], num_heads=self._depth)
+            features = heads.head_features(start, num_heads=self._depth)
             logits = heads.draft_logits(features).reshape(self._depth, -1)  # [depth, vocab or draft vocab]
             if self.selector is None:
                 top = logits.topk(self._ranks, dim=-1).indices  # [depth, ranks]
@@ -160,7 +199,8 @@ class MedusaDrafter(DrafterBase):
 
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,
-         dtype: torch.dtype | None = None, merge_adapter: bool = False) -> MedusaDrafter:
+         width: int | str = 4, top_k: int | str = 4, dtype: torch.dtype | None = None,
+         merge_adapter: bool = False) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 
     Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
@@ -173,7 +213,7 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
         ValueError: an invalid heads directory or tree.
     """
     heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
-    return MedusaDrafter(heads, tree=tree, dynamic=dynamic)
+    return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k)
 
 
 @register_drafter("medusa")
@@ -185,7 +225,8 @@ def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, *
     """
     if heads_dir is None:
         raise ValueError("the medusa drafter needs a heads directory (--heads DIR)")
-    unknown = sorted(set(options) - {"tree", "dynamic"})
+    known = {"tree", "dynamic", "width", "top_k"}
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown medusa drafter option(s) {unknown}; known: ['dynamic', 'tree']")
+        raise ValueError(f"unknown medusa drafter option(s) {unknown}; known: {sorted(known)}")
     return load(model, heads_dir, **options)

@@ -17,6 +17,9 @@ ResBlock, a projection of the embedding of the token at depth ``k`` (the root fo
 
 so drafting runs one small step per depth (``step``) instead of one for all depths, and a head no longer has to
 guess the tokens between its input and its target. The embedding table is the base model's (shared, not saved).
+
+With ``config.prefix_attention`` the heads start from ``p_t``, the output of one causal attention block over the
+base's hidden states with each position's next token (``medusa.context``), instead of from ``h_t``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from selfspec.io import atomic_directory
 
 from .card import render_readme
 from .config import CONFIG_NAME, MedusaConfig
+from .context import PrefixAttention
 
 WEIGHTS_NAME = "model.safetensors"
 README_NAME = "README.md"
@@ -47,7 +51,8 @@ class MedusaHeads(nn.Module):
         lm_head: the base model's LM head (``model.get_output_embeddings()``). Required with ``share_lm_head``;
             with private heads it initialises every head's copy (left at zero when ``None``, to be loaded).
         embeddings: the base model's input embeddings (``model.get_input_embeddings()``); required by sequential
-            heads, which embed the drafted tokens with them.
+            heads and prefix attention, which embed the drafted (or next) tokens with them.
+        rotary: the base model's rotary embedding (``selfspec.attention.rotary_of``), used by prefix attention.
 
     Raises:
         ValueError: ``hidden_size`` / ``vocab_size`` unset, no LM head to share, an LM head of another shape, or
@@ -55,7 +60,7 @@ class MedusaHeads(nn.Module):
     """
 
     def __init__(self, config: MedusaConfig, lm_head: nn.Module | None = None,
-                 embeddings: nn.Module | None = None):
+                 embeddings: nn.Module | None = None, rotary: nn.Module | None = None):
         super().__init__()
         if config.hidden_size is None or config.vocab_size is None:
             raise ValueError("MedusaHeads needs config.hidden_size and config.vocab_size; "
@@ -67,17 +72,23 @@ class MedusaHeads(nn.Module):
         # [head, layer, out, in] and [head, layer, out]: distinct weights per layer and head.
         self.resblock_weight = nn.Parameter(torch.zeros(heads, layers, hidden, hidden))
         self.resblock_bias = nn.Parameter(torch.zeros(heads, layers, hidden))
-        if config.sequential:
+        if config.sequential or config.prefix_attention:
             weight = getattr(embeddings, "weight", None)
             if weight is None or weight.dim() != 2 or weight.shape[1] != hidden:
-                raise ValueError("sequential Medusa heads need the base model's input embeddings "
+                raise ValueError("sequential Medusa heads and prefix attention need the base model's input embeddings "
                                  f"(model.get_input_embeddings()) of width {hidden}, got {embeddings!r}")
-            object.__setattr__(self, "shared_embeddings", embeddings)  # the base's, like the shared LM head
-            # [head, out, embedding]: the drafted token's embedding enters head k's first ResBlock.
-            self.token_weight = nn.Parameter(torch.zeros(heads, hidden, hidden))
-        else:
-            object.__setattr__(self, "shared_embeddings", None)
-            self.token_weight = None
+        object.__setattr__(self, "shared_embeddings", embeddings if config.sequential or config.prefix_attention
+                           else None)  # the base's, like the shared LM head
+        object.__setattr__(self, "shared_rotary", rotary if config.prefix_attention else None)
+        # [head, out, embedding]: the drafted token's embedding enters head k's first ResBlock.
+        self.token_weight = nn.Parameter(torch.zeros(heads, hidden, hidden)) if config.sequential else None
+        self.prefix = None
+        if config.prefix_attention:
+            if not config.prefix_num_heads or not config.prefix_head_dim:
+                raise ValueError("prefix attention needs config.prefix_num_heads and prefix_head_dim "
+                                 "(MedusaHeads.for_model fills them from the base model)")
+            self.prefix = PrefixAttention(hidden, config.prefix_num_heads, config.prefix_head_dim,
+                                          config.prefix_mlp_size)
         if config.share_lm_head:
             if lm_head is None:
                 raise ValueError("share_lm_head=True needs the base model's LM head (model.get_output_embeddings())")
@@ -111,18 +122,30 @@ class MedusaHeads(nn.Module):
         """``[batch, seq, hidden]`` base hidden states -> ``[num_heads, batch, seq, hidden]`` head outputs.
 
         ``num_heads`` computes only the first heads (a tree of depth ``d`` needs the first ``d``). Sequential heads
-        also need ``tokens`` ``[batch, seq, num_heads]``: ``tokens[b, t, k]`` is the token head ``k`` reads, i.e.
-        ``x_{t+k+1}`` (teacher forcing; ``path_tokens`` builds it from input ids).
+        (and prefix attention) also need ``tokens`` ``[batch, seq, num_heads]``: ``tokens[b, t, k]`` is the token
+        head ``k`` reads, i.e. ``x_{t+k+1}`` (teacher forcing; ``path_tokens`` builds it from input ids). Prefix
+        attention runs causally over the ``seq`` positions (right padding needs no mask).
 
         Raises:
-            ValueError: sequential heads without ``tokens`` (or with too few of them).
+            ValueError: sequential heads or prefix attention without ``tokens`` (or with too few of them).
         """
         k = self.config.num_heads if num_heads is None else num_heads
+        needed = k if self.config.sequential else 1 if self.prefix is not None else 0
+        if needed and (tokens is None or tokens.shape[-1] < needed or tokens.shape[:-1] != hidden_states.shape[:-1]):
+            raise ValueError(f"sequential Medusa heads / prefix attention need tokens "
+                             f"[{', '.join(map(str, hidden_states.shape[:-1]))}, >= {needed}] (the path each head "
+                             f"reads), got {None if tokens is None else tuple(tokens.shape)}")
+        if self.prefix is not None:
+            hidden_states = self.context(hidden_states, tokens[..., 0])
+        return self.head_features(hidden_states, k, tokens)
+
+    def head_features(self, states: torch.Tensor, num_heads: int | None = None,
+                      tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``features`` after the prefix attention: ``[batch, seq, hidden]`` start states (``h_t``, or ``p_t`` with
+        prefix attention) -> ``[num_heads, batch, seq, hidden]``."""
+        k = self.config.num_heads if num_heads is None else num_heads
+        hidden_states = states
         if self.config.sequential:
-            if tokens is None or tokens.shape[-1] < k or tokens.shape[:-1] != hidden_states.shape[:-1]:
-                raise ValueError(f"sequential Medusa heads need tokens [{', '.join(map(str, hidden_states.shape[:-1]))}"
-                                 f", >= {k}] (the path each head reads), got "
-                                 f"{None if tokens is None else tuple(tokens.shape)}")
             out, state = [], hidden_states
             for head in range(k):
                 state = self.step(state, tokens[..., head], head)
@@ -136,6 +159,17 @@ class MedusaHeads(nn.Module):
             bias = self.resblock_bias[:k, layer].unsqueeze(1)  # [k, 1, out]
             x = x + F.silu(torch.baddbmm(bias, x, weight))
         return x.reshape(k, *lead, hidden)
+
+    def context(self, hidden_states: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """Prefix attention (``config.prefix_attention``): ``[b, q, hidden]`` base hidden states and ``[b, q]`` ids of
+        each position's next token -> ``[b, q, hidden]`` states the heads start from. ``cache``
+        (``selfspec.attention.LayerCache``) holds earlier positions at decode time; the new ones are appended."""
+        if self.prefix is None:
+            raise ValueError("these heads have no prefix attention (config.prefix_attention is false)")
+        dtype = self.resblock_weight.dtype
+        embedded = F.embedding(next_tokens, self.shared_embeddings.weight).to(dtype)
+        return self.prefix(hidden_states.to(dtype), embedded, self.shared_rotary, position_ids, cache)
 
     def step(self, state: torch.Tensor, tokens: torch.Tensor, head: int) -> torch.Tensor:
         """Sequential heads: head ``head``'s output state from the previous state ``[..., hidden]`` (the base hidden
@@ -229,9 +263,14 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"MedusaHeads.for_model reads {filled} from the base model; do not pass them")
         lm_head = _output_embeddings(model)
         vocab, hidden = lm_head.weight.shape
+        if overrides.get("prefix_attention"):
+            text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            num_heads = overrides.get("prefix_num_heads") or text.num_attention_heads
+            head_dim = overrides.get("prefix_head_dim") or getattr(text, "head_dim", None) or int(hidden) // num_heads
+            overrides = {**overrides, "prefix_num_heads": num_heads, "prefix_head_dim": head_dim}
         config = MedusaConfig.from_dict({**overrides, "hidden_size": int(hidden), "vocab_size": int(vocab),
                                          "base_model": base_model_identity(model)})
-        heads = cls(config, lm_head, model.get_input_embeddings() if config.sequential else None)
+        heads = cls(config, lm_head, *_shared_inputs(model, config))
         return heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
 
     def save_pretrained(self, directory: str | Path, *, backbone_adapter: str | Path | None = None) -> Path:
@@ -284,8 +323,8 @@ class MedusaHeads(nn.Module):
                          merge_adapter=merge_adapter)
         lm_head = _output_embeddings(base_model)
         # Cast before loading: loading first would round float64 weights through the float32 init.
-        embeddings = base_model.get_input_embeddings() if config.sequential else None
-        heads = cls(config, lm_head, embeddings).to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
+        heads = cls(config, lm_head, *_shared_inputs(base_model, config))
+        heads = heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
         try:
             heads.load_state_dict(load_file(str(weights)), strict=True)
         except RuntimeError as e:
@@ -303,6 +342,13 @@ def path_tokens(input_ids: torch.Tensor, num_heads: int, pad_id: int = 0) -> tor
         if seq > k + 1:
             out[:, :seq - k - 1, k] = input_ids[:, k + 1:]
     return out
+
+
+def _shared_inputs(model: nn.Module, config: MedusaConfig) -> tuple[nn.Module | None, nn.Module | None]:
+    """``(embeddings, rotary)`` of the base model that heads of this config read (None where they read nothing)."""
+    from selfspec.attention import rotary_of
+    embeddings = model.get_input_embeddings() if config.sequential or config.prefix_attention else None
+    return embeddings, rotary_of(model) if config.prefix_attention else None
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module:

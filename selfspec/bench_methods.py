@@ -215,6 +215,6 @@ class DrafterMethod:
         seconds = time.perf_counter() - start
         stats = out.stats
         phases = {phase: float(getattr(stats, f"time_{phase}", 0.0) or 0.0)
-                  for phase in ("prefill", "draft", "verify", "accept")}
+                  for phase in ("prefill", "draft", "verify", "accept", "compact", "observe")}
         return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), seconds, getattr(stats, "steps", None),
                           getattr(stats, "tau", None), phases)

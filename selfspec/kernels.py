@@ -30,11 +30,24 @@ from torch import nn
 
 BACKENDS = ("stock", "onednn", "auto")
 _STATE = "_selfspec_linear_backend"
+# oneDNN's linear on dense activations against a packed weight (what Inductor's CPU freezing uses): the same
+# primitive as ``mkldnn_linear``, bitwise, minus converting every input to and every output from oneDNN's layout.
+_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
 def onednn_available() -> bool:
     """oneDNN linear is usable in this PyTorch build."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch._C._nn, "mkldnn_linear")
+
+
+def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows @ weight.T + bias`` on oneDNN: ``rows`` dense ``[n, in]``, ``weight`` packed (``to_mkldnn``)."""
+    if _POINTWISE is not None:  # dense in, dense out: no per-call conversion of the activations
+        return _POINTWISE(rows, weight, bias, "none", [], "")
+    if bias is not None and packed_bias is None:
+        packed_bias = bias.to_mkldnn()
+    return torch._C._nn.mkldnn_linear(rows.to_mkldnn(), weight, packed_bias).to_dense()
 
 
 class _OneDNNLinear:
@@ -62,7 +75,7 @@ class _OneDNNLinear:
             return F.linear(x, module.weight, module.bias)
         weight, bias = self._packed()
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), weight, bias).to_dense()
+        out = onednn_linear(rows, weight, module.bias, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

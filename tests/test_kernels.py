@@ -20,9 +20,10 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
 def test_onednn_logits_match_stock_and_decoding_stays_lossless(arch, monkeypatch):
+    import selfspec.kernels as K
     calls = []
-    kernel = torch._C._nn.mkldnn_linear
-    monkeypatch.setattr(torch._C._nn, "mkldnn_linear", lambda *a: calls.append(1) or kernel(*a))
+    kernel = K.onednn_linear
+    monkeypatch.setattr(K, "onednn_linear", lambda *a: calls.append(1) or kernel(*a))
     model = tiny_model(arch, dtype=torch.float32)
     ids = _prompt(model.config.vocab_size, 12, 0)
     with torch.inference_mode():
@@ -103,3 +104,17 @@ def test_bench_method_suffix_selects_a_backend():
     hook.remove()
     assert len(gen.tokens) == 4 and seen and not any(seen)  # ran on the stock path
     assert linear_backend_of(model) == "onednn"  # and the run's backend is back afterwards
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_dense_pointwise_kernel_equals_the_converting_one(rows, monkeypatch):
+    import selfspec.kernels as K
+    if K._POINTWISE is None:
+        pytest.skip("this PyTorch build has no mkldnn._linear_pointwise; only the converting kernel exists")
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(rows, 24)
+    dense = K.onednn_linear(x, weight.to_mkldnn(), bias)
+    monkeypatch.setattr(K, "_POINTWISE", None)
+    converting = K.onednn_linear(x, weight.to_mkldnn(), bias)
+    assert torch.equal(dense, converting)  # the same oneDNN primitive, bit for bit
+    torch.testing.assert_close(dense, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

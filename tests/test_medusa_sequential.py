@@ -68,8 +68,8 @@ def test_config_and_construction_errors(tiny_llama64):
         heads.features(hidden)
     with pytest.raises(ValueError, match="step\\(\\) is for sequential heads"):
         MedusaHeads.for_model(tiny_llama64, num_heads=2).step(hidden[0], torch.zeros(4, dtype=torch.long), 0)
-    with pytest.raises(ValueError, match="drop dynamic"):
-        MedusaDrafter(heads, tree=4, dynamic=2)
+    with pytest.raises(ValueError, match="width must be an integer >= 1"):
+        MedusaDrafter(heads, tree=4, dynamic=2, width=0)
 
 
 def test_zero_init_sequential_heads_equal_the_base_prediction(tiny_llama64):
@@ -177,5 +177,67 @@ def test_greedy_equality(tiny_arch):
         for name, tree in TREES.items():
             out = decoding.generate(model, MedusaDrafter(heads, tree=tree), ids, max_new_tokens=24)
             assert out.sequences.tolist() == reference, f"tree {name}, prompt {prompt}"
+            accepted += sum(out.stats.accepted_per_step)
+    assert accepted > 0, "no draft accepted: the accept path did not run"
+
+
+def reference_beam(heads, model, hidden, root, depth, size, width, top_k):
+    """EAGLE-2's expansion written out node by node: ``{path: score}`` of the ``size`` best nodes."""
+    grown, frontier = {}, []
+    state = reference_step(heads, hidden, root, 0)
+    logp = head_logits(heads, model, state, 0).log_softmax(-1)
+    for token in logp.topk(min(top_k if depth > 1 else size, size)).indices.tolist():
+        grown[(token,)] = float(logp[token])
+        frontier.append(((token,), state))
+    for level in range(1, depth):
+        frontier = sorted(frontier, key=lambda f: -grown[f[0]])[:width]
+        children = []
+        for path, parent_state in frontier:
+            state = reference_step(heads, parent_state, path[-1], level)
+            logp = head_logits(heads, model, state, level).log_softmax(-1)
+            for token in logp.topk(top_k).indices.tolist():
+                grown[path + (token,)] = grown[path] + float(logp[token])
+                children.append((path + (token,), state))
+        frontier = children
+    best = sorted(grown, key=lambda p: (-grown[p], len(p)))[:size]
+    return {p: grown[p] for p in best}
+
+
+@pytest.mark.parametrize("size, width, top_k", [(1, 1, 1), (6, 2, 3), (12, 4, 4), (20, 3, 5)])
+def test_dynamic_tree_keeps_the_most_probable_grown_paths(tiny_llama64, size, width, top_k):
+    heads = sequential_heads(tiny_llama64, num_heads=4, seed=7, share_lm_head=False)
+    drafter = MedusaDrafter(heads, tree=TreeTemplate.chain(4).choices, dynamic=size, width=width, top_k=top_k)
+    ids = torch.tensor([[1, 7, 3, 11, 5]])
+    with torch.no_grad():
+        hidden = tiny_llama64(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+        draft = drafter.propose(DecodeState(model=tiny_llama64, cache=None, sequence=ids, sampling=SamplingParams(),
+                                            hidden={-1: hidden}))
+        expected = reference_beam(heads, tiny_llama64, hidden[0, -1], 5, 4, size, width, top_k)
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    paths = []
+    for i in range(len(tokens)):
+        path, node = [], i
+        while node != -1:
+            path.append(tokens[node])
+            node = parents[node]
+        paths.append(tuple(path[::-1]))
+    assert len(paths) == len(set(paths)) == size
+    assert set(paths) == set(expected), (sorted(paths), sorted(expected))
+    if size > 1:
+        assert draft.max_depth > 1  # the test covers expansion beyond depth 1
+
+
+def test_greedy_equality_with_dynamic_trees(tiny_arch):
+    model = tiny_model(tiny_arch, dtype=torch.float64)
+    heads = sequential_heads(model, num_heads=4, seed=3)
+    accepted = 0
+    for prompt, new in (([1, 17, 4, 33, 8], 24), ([1, 60, 61, 2, 9, 9, 40, 12, 3], 13)):
+        ids = torch.tensor([prompt])
+        reference = _greedy_reference(model, ids, new).tolist()
+        for size, width, top_k in ((3, 1, 2), (10, 3, 3), (16, 4, 4), (32, 2, 24)):
+            drafter = MedusaDrafter(heads, dynamic=size, width=width, top_k=top_k)
+            out = decoding.generate(model, drafter, ids, max_new_tokens=new)
+            assert out.sequences.tolist() == reference, f"dynamic {size}/{width}/{top_k}, prompt {prompt}"
+            assert max(out.stats.tree_sizes) <= size
             accepted += sum(out.stats.accepted_per_step)
     assert accepted > 0, "no draft accepted: the accept path did not run"

@@ -38,6 +38,8 @@ class HeadsConfig:
     share_lm_head: bool = True  # reuse the base LM head (not saved); False: a private, trained head each
     draft_vocab_size: int | None = None  # draft from the N most frequent training tokens only (None: all)
     sequential: bool = False  # Hydra-style: head k also reads the path's token at depth k (teacher-forced here)
+    prefix_attention: bool = False  # one causal attention block over the hidden states + next tokens first
+    prefix_mlp_size: int = 0  # inner size of the prefix block's SwiGLU MLP (0: attention only)
 
     def __post_init__(self):
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
@@ -64,6 +66,7 @@ class MedusaRecipeConfig:
     heads_warmup_steps: int = 0  # medusa2: steps over which the heads' weight ramps linearly from 0
     tree_size: int = 16  # nodes of the default tree saved with the heads (from the measured accuracies)
     loss_vocab: str = "auto"  # full | draft (cross entropy over the draft vocabulary only: its targets, its rows) | auto
+    distill_weight: float = 0.0  # weight of KL(base || head) against the base's own distribution; CE gets 1 - this
     heads: HeadsConfig = dataclasses.field(default_factory=HeadsConfig)  # head shape
     lora: T.LoraConfig = dataclasses.field(default_factory=T.LoraConfig)  # medusa2 adapters
     data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)  # training data
@@ -79,6 +82,8 @@ class MedusaRecipeConfig:
             raise ValueError(f"loss_vocab must be auto, full or draft, got {self.loss_vocab!r}")
         if self.loss_vocab == "draft" and self.heads.draft_vocab_size is None:
             raise ValueError("loss_vocab: draft needs heads.draft_vocab_size")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
 
 
 class MedusaModel(nn.Module):
@@ -95,7 +100,8 @@ class MedusaModel(nn.Module):
                 hidden_states = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         # Sequential heads read the data's own next tokens: on self-distilled data, exactly the path that greedy
         # verification accepts.
-        tokens = path_tokens(input_ids, self.heads.num_heads) if self.heads.config.sequential else None
+        config = self.heads.config
+        tokens = path_tokens(input_ids, self.heads.num_heads) if config.sequential or config.prefix_attention else None
         return hidden_states, self.heads.features(hidden_states, tokens=tokens)  # [b, s, h], [heads, b, s, h]
 
 
@@ -223,8 +229,16 @@ class MedusaRecipe(T.Recipe):
         terms = []
         for k in range(cfg.heads.num_heads):
             rows, cols, targets, weight, bias = self.loss_targets(batch, k)
-            terms.append(T.chunked_cross_entropy(features[k, rows, cols], weight, targets, cfg.loss_chunk_size, bias)
-                         / denominators[k])
+            term = torch.zeros(())
+            if cfg.distill_weight < 1.0:
+                term = (1.0 - cfg.distill_weight) * T.chunked_cross_entropy(
+                    features[k, rows, cols], weight, targets, cfg.loss_chunk_size, bias)
+            if cfg.distill_weight > 0.0:
+                # The base's own distribution for the token head k drafts: its logits at position t + k + 1.
+                teacher = hidden[rows, cols + k + 1].detach()
+                term = term + cfg.distill_weight * T.chunked_kl(features[k, rows, cols], teacher, weight,
+                                                                cfg.loss_chunk_size, bias)
+            terms.append(term / denominators[k])
         total = self.heads_weight() * sum(cfg.head_decay ** k * t for k, t in enumerate(terms))
         base_term = torch.zeros(())
         if cfg.method == "medusa2" and cfg.base_loss != "none":
