@@ -37,13 +37,15 @@ AdapterCache = LayerCache
 
 
 class AttentionAdapter(nn.Module):
-    """One pre-norm, attention-only block: ``x + o(Attn(RoPE(q(n(x))), RoPE(k(n(x))), v(n(x))))``, causal.
+    """One pre-norm attention block: ``x + o(Attn(RoPE(q(n(x))), RoPE(k(n(x))), v(n(x))))``, causal, optionally
+    followed by a pre-norm SwiGLU MLP ``x + down(SiLU(gate(m(x))) * up(m(x)))`` (``mlp_size`` > 0).
 
     The head dimension is the base model's (the base rotary embedding supplies cos/sin); the head count is the
-    base's unless ``num_heads`` is given. Keys and values use every head (no grouping): one layer is cheap.
+    base's unless ``num_heads`` is given. Keys and values use every head (no grouping): one layer is cheap. The
+    output and down projections start at zero, so an untrained block is the identity.
     """
 
-    def __init__(self, model, exit_layer: int, num_heads: int | None = None):
+    def __init__(self, model, exit_layer: int, num_heads: int | None = None, mlp_size: int = 0):
         super().__init__()
         config = model.config
         hidden = config.hidden_size
@@ -57,6 +59,13 @@ class AttentionAdapter(nn.Module):
         self.v_proj = nn.Linear(hidden, inner, bias=False)
         self.o_proj = nn.Linear(inner, hidden, bias=False)
         nn.init.zeros_(self.o_proj.weight)  # starts as the identity: the training-free classifier
+        self.mlp_norm = self.gate_proj = self.up_proj = self.down_proj = None
+        if mlp_size:
+            self.mlp_norm = copy.deepcopy(model.model.layers[exit_layer].post_attention_layernorm)
+            self.gate_proj = nn.Linear(hidden, mlp_size, bias=False)
+            self.up_proj = nn.Linear(hidden, mlp_size, bias=False)
+            self.down_proj = nn.Linear(mlp_size, hidden, bias=False)
+            nn.init.zeros_(self.down_proj.weight)
         for p in self.parameters():
             p.requires_grad_(True)
 
@@ -103,4 +112,8 @@ class AttentionAdapter(nn.Module):
         if attention_mask is None or attention_mask.dim() == 2:
             attention_mask = causal_mask(position_ids, keys.shape[2], attention_mask, hidden.dtype)
         out = nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=attention_mask)
-        return hidden + self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+        if self.down_proj is not None:
+            m = self.mlp_norm(hidden)
+            hidden = hidden + self.down_proj(nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
+        return hidden

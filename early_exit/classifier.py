@@ -40,6 +40,7 @@ class ExitClassifierConfig:
         adapter: ``resblock`` (position-wise ResBlocks) or ``attention`` (one causal attention-only block with
             its own KV cache at decode time).
         adapter_heads: attention heads of the attention adapter (None = the base model's head count).
+        adapter_mlp_size: inner size of a SwiGLU MLP after the attention adapter's attention (0 = attention only).
         own_norm: train a copy of the base final norm instead of reusing it.
         draft_vocab_size: number of LM-head rows the draft scores (None = the full vocabulary).
         base_model: identity of the base model the classifier was trained on (see ``selfspec.identity``); with a
@@ -54,6 +55,7 @@ class ExitClassifierConfig:
     adapter_layers: int = 0
     adapter: str = "resblock"
     adapter_heads: int | None = None
+    adapter_mlp_size: int = 0
     own_norm: bool = False
     draft_vocab_size: int | None = None
     base_model: dict[str, Any] = field(default_factory=dict)
@@ -63,7 +65,7 @@ class ExitClassifierConfig:
     kind: str = KIND
 
     def __post_init__(self) -> None:
-        check_adapter(self.adapter, self.adapter_layers, self.adapter_heads)
+        check_adapter(self.adapter, self.adapter_layers, self.adapter_heads, self.adapter_mlp_size)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -87,9 +89,13 @@ def check_exit_layer(exit_layer: int, model) -> None:
         raise ValueError(f"exit_layer must be an integer in 1..{total - 1} for this {total}-layer model, got {exit_layer!r}")
 
 
-def check_adapter(adapter: str, adapter_layers: int, adapter_heads: int | None = None) -> None:
+def check_adapter(adapter: str, adapter_layers: int, adapter_heads: int | None = None, adapter_mlp_size: int = 0) -> None:
     """Raises: ValueError: an unknown adapter kind, a negative block count, an attention adapter that is not
-    exactly one block, or a bad head count."""
+    exactly one block, a bad head count, or an MLP size on a non-attention adapter."""
+    if isinstance(adapter_mlp_size, bool) or not isinstance(adapter_mlp_size, int) or adapter_mlp_size < 0:
+        raise ValueError(f"adapter_mlp_size must be an integer >= 0, got {adapter_mlp_size!r}")
+    if adapter_mlp_size and adapter != "attention":
+        raise ValueError("adapter_mlp_size applies to the attention adapter only (adapter: attention)")
     if adapter not in ADAPTER_KINDS:
         raise ValueError(f"unknown adapter kind {adapter!r}; known: {', '.join(ADAPTER_KINDS)}")
     if isinstance(adapter_layers, bool) or not isinstance(adapter_layers, int) or adapter_layers < 0:
@@ -118,7 +124,7 @@ class ExitClassifier(nn.Module):
         self.adapter = nn.ModuleList(ResBlock(hidden_size) for _ in range(resblocks))
         self.attention = None
         if config.adapter == "attention":
-            self.attention = AttentionAdapter(model, config.exit_layer, config.adapter_heads)
+            self.attention = AttentionAdapter(model, config.exit_layer, config.adapter_heads, config.adapter_mlp_size)
         self.norm = None
         if config.own_norm:
             self.norm = _copy_module(model.model.norm)
@@ -258,7 +264,7 @@ class ExitClassifier(nn.Module):
 
 
 def new_classifier(model, exit_layer: int, *, adapter_layers: int = 0, adapter: str = "resblock",
-                   adapter_heads: int | None = None, own_norm: bool = False,
+                   adapter_heads: int | None = None, adapter_mlp_size: int = 0, own_norm: bool = False,
                    draft_vocab: torch.Tensor | None = None) -> ExitClassifier:
     """A fresh classifier for ``model`` (with no adapter: the training-free one). ``adapter="attention"`` with
     ``adapter_layers=1``: the one-block attention adapter (zero output projection: still the training-free one).
@@ -269,7 +275,8 @@ def new_classifier(model, exit_layer: int, *, adapter_layers: int = 0, adapter: 
     check_exit_layer(exit_layer, model)
     size = None if draft_vocab is None else int(torch.as_tensor(draft_vocab).numel())
     config = ExitClassifierConfig(exit_layer=exit_layer, adapter_layers=adapter_layers, adapter=adapter,
-                                  adapter_heads=adapter_heads, own_norm=own_norm, draft_vocab_size=size)
+                                  adapter_heads=adapter_heads, adapter_mlp_size=adapter_mlp_size, own_norm=own_norm,
+                                  draft_vocab_size=size)
     classifier = ExitClassifier(config, model)
     if draft_vocab is not None:
         classifier.set_draft_vocab(draft_vocab)
@@ -288,7 +295,8 @@ def _copy_module(module: nn.Module) -> nn.Module:
 def default_readme(config: ExitClassifierConfig) -> str:
     name = config.base_model.get("name_or_path") or "the base model"
     adapter = {"resblock": f"{config.adapter_layers} ResBlock(s)",
-               "attention": f"one attention block ({config.adapter_heads or 'base'} heads)"}[config.adapter]
+               "attention": f"one attention block ({config.adapter_heads or 'base'} heads"
+                            f"{f', MLP {config.adapter_mlp_size}' if config.adapter_mlp_size else ''})"}[config.adapter]
     lines = [f"# Early-exit classifier for {name}", "",
              f"Exit layer {config.exit_layer}; adapter: {adapter if config.adapter_layers else 'none'}; own norm: "
              f"{config.own_norm}; draft vocabulary: {config.draft_vocab_size or 'full'}.", "",

@@ -38,7 +38,10 @@ def render_readme(config: MedusaConfig) -> str:
         f"hidden size {config.hidden_size}, vocabulary {config.vocab_size}. "
         "Head k drafts the token k + 2 positions after its input hidden state"
         + (" and reads the embedding of the path's token at depth k and head k - 1's state (sequential, "
-           "Hydra-style: each depth is drafted for its parent)." if config.sequential else "."),
+           "Hydra-style: each depth is drafted for its parent)." if config.sequential else ".")
+        + (f" The heads start from a prefix-attention block (one causal attention layer over the base's last hidden "
+           f"states, each position reading its next token; {config.prefix_num_heads} heads of "
+           f"{config.prefix_head_dim}, MLP {config.prefix_mlp_size or 'none'})." if config.prefix_attention else ""),
         "",
         "```python",
         "import medusa, decoding",
@@ -70,6 +73,10 @@ def render_readme(config: MedusaConfig) -> str:
         lines += ["## Metrics", ""] + [f"- {key}: `{_compact(value)}`" for key, value in metrics.items()] + [""]
     if config.head_accuracy:
         lines += ["## Head accuracy (held-out)", ""] + _accuracy_table(config.head_accuracy) + [""]
-    if config.tree:
+    if config.dynamic_tree:
+        d = config.dynamic_tree
+        lines += [f"Default drafting: a dynamic tree of {d['size']} nodes per step (the most probable paths, "
+                  f"{d.get('width', 4)} expanded per depth, top-{d.get('top_k', 4)} children each).", ""]
+    elif config.tree:
         lines += [f"Default draft tree: {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}.", ""]
     return "\n".join(lines)

@@ -43,6 +43,9 @@ class MedusaConfig:
         prefix_mlp_size: inner size of the prefix block's SwiGLU MLP (0: attention only).
         prefix_num_heads, prefix_head_dim: the prefix block's attention shape (filled from the base model: its
             rotary embedding sets the head size).
+        dynamic_tree: the default drafting when no tree is asked for, chosen by calibration: ``{"size": N,
+            "width": W, "top_k": K}`` verifies the ``N`` most probable nodes per step (sequential heads grow them;
+            parallel heads pick them from ``tree``). ``None``: the static ``tree``.
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
             model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
 
@@ -67,6 +70,7 @@ class MedusaConfig:
     prefix_mlp_size: int = 0
     prefix_num_heads: int | None = None
     prefix_head_dim: int | None = None
+    dynamic_tree: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
@@ -87,6 +91,13 @@ class MedusaConfig:
         if isinstance(self.prefix_mlp_size, bool) or not isinstance(self.prefix_mlp_size, int) \
                 or self.prefix_mlp_size < 0:
             raise ValueError(f"MedusaConfig.prefix_mlp_size must be an integer >= 0, got {self.prefix_mlp_size!r}")
+        if self.dynamic_tree is not None:
+            keys = {"size", "width", "top_k"}
+            if not isinstance(self.dynamic_tree, dict) or not set(self.dynamic_tree) <= keys or \
+                    "size" not in self.dynamic_tree or any(
+                        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.dynamic_tree.values()):
+                raise ValueError(f"MedusaConfig.dynamic_tree must be {{'size': N, 'width': W, 'top_k': K}} with "
+                                 f"positive integers, got {self.dynamic_tree!r}")
         if self.draft_vocab_size is not None:
             if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
                 raise ValueError(f"MedusaConfig.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary of "

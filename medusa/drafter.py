@@ -131,8 +131,12 @@ class MedusaDrafter(DrafterBase):
     hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None,
-                 width: int | str = 4, top_k: int | str = 4):
+                 width: int | str | None = None, top_k: int | str | None = None):
         self.heads = heads.eval()
+        saved = heads.config.dynamic_tree
+        if tree is None and dynamic is None and saved:  # the calibrated default
+            dynamic, width, top_k = saved["size"], width or saved.get("width"), top_k or saved.get("top_k")
+        width, top_k = width or 4, top_k or 4
         self.template = resolve_tree(tree, heads)
         sequential = heads.config.sequential
         self.beam = self.selector = self.plan = None
@@ -199,7 +203,7 @@ class MedusaDrafter(DrafterBase):
 
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,
-         width: int | str = 4, top_k: int | str = 4, dtype: torch.dtype | None = None,
+         width: int | str | None = None, top_k: int | str | None = None, dtype: torch.dtype | None = None,
          merge_adapter: bool = False) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 

@@ -164,18 +164,7 @@ def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Seque
 def save_tree(heads_dir: str | Path, best: Candidate, report: dict) -> Path:
     """Write ``best.choices`` as the ``tree`` of the heads' config.json (refreshing their README, which describes
     the tree), and ``report`` to calibration.json."""
-    heads_dir = Path(heads_dir)
-    config = MedusaConfig.load(heads_dir)
-    config.tree = best.choices
-    # Rewritten as a whole directory, so its completion marker (file list and sizes) stays true.
-    with atomic_directory(heads_dir) as tmp:
-        for item in heads_dir.iterdir():
-            if item.name != MARKER:
-                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        (tmp / "README.md").write_text(render_readme(config))
-        (tmp / CALIBRATION_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    return heads_dir / "config.json"
+    return save_setting(heads_dir, Setting(choices=best.choices), report)
 
 
 def report_dict(best: Candidate, candidates: list[Candidate], **extra: Any) -> dict:
@@ -190,3 +179,118 @@ def measure_tau(model: Any, heads_dir: str | Path, choices: list[list[int]], pro
     """Tokens per step of the Medusa drafter with tree ``choices`` on ``prompts`` (one warm-up-free pass)."""
     method = parse_method(f"medusa:{heads_dir}", tree=choices)
     return mean_tau([method.generate(model, p.input_ids, settings) for p in prompts])
+
+
+# ---------------------------------------------------------------- calibration by replay
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to draft with a set of heads: a static tree (``choices``) or a dynamic one (``dynamic``:
+    ``{"size", "width", "top_k"}``), optionally merged with prompt lookup."""
+
+    choices: list[list[int]] | None = None
+    dynamic: dict[str, int] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.dynamic is not None:
+            d = self.dynamic
+            return f"dynamic {d['size']} (width {d.get('width', 4)}, top-{d.get('top_k', 4)})"
+        return f"static {len(self.choices or [])}"
+
+    def options(self) -> dict[str, Any]:
+        if self.dynamic is not None:
+            return {"dynamic": self.dynamic["size"], "width": self.dynamic.get("width", 4),
+                    "top_k": self.dynamic.get("top_k", 4)}
+        return {"tree": self.choices or []}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A setting replayed on the calibration references: tau, mean tree size, drafter and verification cost."""
+
+    setting: Setting
+    tau: float
+    tree_size: float
+    draft_s: float  # per step: propose + observe, measured during the replay
+    verify_s: float  # per step: verification forward of a tree of ``tree_size`` nodes (interpolated)
+    tokens_per_s: float
+
+
+def settings_for(config: MedusaConfig, sizes: Sequence[int], dynamic_sizes: Sequence[int] = (),
+                 widths: Sequence[int] = (4,), top_ks: Sequence[int] = (4,)) -> list[Setting]:
+    """Static trees grown from the heads' accuracies for ``sizes`` (0: the empty tree), plus, for sequential heads,
+    dynamic trees of ``dynamic_sizes`` for every width and top-k."""
+    out = [Setting(choices=c) for c in candidate_trees(check_accuracy(config.head_accuracy, "heads"), sizes).values()]
+    if config.sequential:
+        out += [Setting(dynamic={"size": n, "width": w, "top_k": k})
+                for n in dynamic_sizes for w in widths for k in top_ks if w <= n]
+    return out
+
+
+def _interpolate(latency: dict[int, float], size: float) -> float:
+    sizes = sorted(latency)
+    if size <= sizes[0]:
+        return latency[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if size <= hi:
+            return latency[lo] + (latency[hi] - latency[lo]) * (size - lo) / (hi - lo)
+    lo, hi = sizes[-2], sizes[-1]  # beyond the grid: extend the last segment
+    return latency[hi] + (latency[hi] - latency[lo]) * (size - hi) / (hi - lo)
+
+
+def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Setting], references: Sequence[Any], *,
+                        with_lookup: bool = False, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
+                        overhead_s: float = 0.0, seed: int = 0,
+                        progress: Callable[[Measured], None] | None = None) -> tuple[Measured, list[Measured]]:
+    """``(best, measured)``: every setting replayed on ``references`` (``selfspec.simulate``) for its real tau and
+    drafting cost, with the verification cost of its tree size measured on this machine; the best has the most
+    predicted tokens per second ``tau / (verify + draft + overhead_s)``. ``with_lookup`` measures each setting
+    merged with prompt lookup (``medusa+lookup``)."""
+    from selfspec.simulate import replay
+
+    name = "medusa+lookup" if with_lookup else "medusa"
+    measured = []
+    for setting in settings:
+        drafter = make_drafter(name, model, str(heads_dir), **setting.options())
+        replay(drafter, references[:1], model)  # warm-up
+        start = time.perf_counter()
+        result = replay(drafter, references, model)
+        per_step = (time.perf_counter() - start) / max(result.steps, 1)
+        measured.append((setting, result, per_step))
+    grid = sorted({0, *range(1, int(max(r.mean_tree for _, r, _ in measured)) + 2)})
+    grid = [n for n in grid if n <= 8 or n % 2 == 0 or n == grid[-1]]
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    trees = {n: DraftTree(torch.randint(vocab, (n,), generator=gen),
+                          TreeTemplate(default_tree(None, n, num_heads=4)).parents if n else torch.zeros(0).long())
+             for n in grid}
+    latency = verify_latencies(model, trees, prefix_length=prefix_length, repeats=repeats, warmup=warmup, seed=seed)
+    rows = []
+    for setting, result, draft_s in measured:
+        verify_s = _interpolate(latency, result.mean_tree)
+        row = Measured(setting, result.tau, result.mean_tree, draft_s, verify_s,
+                       result.tau / (verify_s + draft_s + overhead_s))
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return max(rows, key=lambda r: r.tokens_per_s), rows
+
+
+def save_setting(heads_dir: str | Path, setting: Setting, report: dict) -> Path:
+    """Make ``setting`` the heads' default drafting (``tree`` or ``dynamic_tree`` in config.json), with ``report``
+    in calibration.json; the directory is rewritten atomically."""
+    heads_dir = Path(heads_dir)
+    config = MedusaConfig.load(heads_dir)
+    if setting.dynamic is not None:
+        config.dynamic_tree = dict(setting.dynamic)
+    else:
+        config.tree, config.dynamic_tree = setting.choices or [], None
+    with atomic_directory(heads_dir) as tmp:
+        for item in heads_dir.iterdir():
+            if item.name != MARKER:
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        (tmp / "README.md").write_text(render_readme(config))
+        (tmp / CALIBRATION_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return heads_dir / "config.json"

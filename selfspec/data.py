@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.cache import new_cache
+
 FORMATS = {
     "sharegpt": "a 'conversations' (from/value or role/content) or 'messages' (role/content) list",
     "alpaca": "'instruction' and 'output' columns (optional 'input')",
@@ -249,8 +251,11 @@ def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_toke
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
         torch.manual_seed(seed + start)
+        # Preallocated cache layers: stock ones copy the whole batch's cache at every step (decoding.cache).
+        cache = new_cache(model, capacity=width + max_new_tokens)
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **sampling)
+                             max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
+                             past_key_values=cache, **sampling)
         for row, i in enumerate(chunk):
             new = out[row, width:].tolist()
             cut = next((j for j, t in enumerate(new) if t in stops), len(new))

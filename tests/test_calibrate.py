@@ -56,7 +56,8 @@ def test_cumulative_accuracy_is_rejected():
 def test_calibrate_command_writes_the_tree(tmp_path, capsys):
     heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=3, head_accuracy=ACCURACY)
     heads.save_pretrained(tmp_path)
-    rc = main(["calibrate", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama", "--sizes", "1,4,8",
+    rc = main(["calibrate", "--mode", "accuracy", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama",
+               "--sizes", "1,4,8",
                "--repeats", "1", "--prefix-length", "16", "--limit", "1", "--max-new-tokens", "8",
                "--overhead-ms", "50"])  # a real model's step cost, so that drafting pays on this tiny one
     assert rc == 0
@@ -115,3 +116,54 @@ def test_linear_fit_smooths_outliers():
     fitted = cal.linear_fit({0: 1.0, 4: 1.4, 8: 5.0, 16: 2.6})  # one size hit by another process
     assert fitted[16] > fitted[8] > fitted[4] > fitted[0]
     assert cal.linear_fit({0: 1.0, 10: 2.0}) == pytest.approx({0: 1.0, 10: 2.0})
+
+
+def _sequential_heads(tmp_path):
+    from test_medusa_sequential import sequential_heads
+    model = tiny_model("llama")
+    heads = sequential_heads(model, num_heads=3, seed=3)
+    heads.config.head_accuracy = ACCURACY
+    heads.save_pretrained(tmp_path)
+    return model
+
+
+def test_replay_calibration_uses_the_replayed_tau_and_the_measured_costs(monkeypatch, tmp_path):
+    from selfspec.simulate import make_references, replay
+    from decoding import make_drafter
+
+    model = _sequential_heads(tmp_path)
+    references = make_references(model, [torch.tensor([[1, 17, 4, 33, 8]]), torch.tensor([[5, 6, 7]])], 16)
+    monkeypatch.setattr(cal, "verify_latencies", lambda model, trees, **_: {n: 0.05 + 0.01 * n for n in trees})
+    settings = cal.settings_for(MedusaConfig.load(tmp_path), [0, 2, 6], [3, 8], widths=[2], top_ks=[2, 24])
+    assert [s.label for s in settings] == ["static 0", "static 2", "static 6", "dynamic 3 (width 2, top-2)",
+                                           "dynamic 3 (width 2, top-24)", "dynamic 8 (width 2, top-2)",
+                                           "dynamic 8 (width 2, top-24)"]
+    best, rows = cal.calibrate_by_replay(model, tmp_path, settings, references, overhead_s=0.001, repeats=1)
+    for row in rows:
+        drafter = make_drafter("medusa", model, str(tmp_path), **row.setting.options())
+        expected = replay(drafter, references, model)
+        assert row.tau == pytest.approx(expected.tau) and row.tree_size == pytest.approx(expected.mean_tree)
+        assert row.verify_s == pytest.approx(0.05 + 0.01 * row.tree_size)
+        assert row.tokens_per_s == pytest.approx(row.tau / (row.verify_s + row.draft_s + 0.001))
+    assert best is max(rows, key=lambda r: r.tokens_per_s)
+    assert rows[0].tau == 1.0 and rows[0].tree_size == 0
+
+
+def test_replay_calibration_command_saves_the_chosen_setting(tmp_path, capsys):
+    from decoding import make_drafter
+
+    model = _sequential_heads(tmp_path)
+    rc = main(["calibrate", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama", "--sizes", "1,4",
+               "--dynamic-sizes", "2,6", "--widths", "2", "--top-ks", "2", "--repeats", "1", "--limit", "2",
+               "--prefix-length", "16", "--max-new-tokens", "12", "--overhead-ms", "50"])
+    assert rc == 0
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert report["mode"] == "replay" and len(report["candidates"]) == 5
+    chosen = next(c for c in report["candidates"] if c["setting"] == report["chosen"])
+    config = MedusaConfig.load(tmp_path)
+    drafter = make_drafter("medusa", model, str(tmp_path))
+    if chosen["dynamic"]:
+        assert config.dynamic_tree == chosen["dynamic"] and drafter.beam.size == chosen["dynamic"]["size"]
+    else:
+        assert config.tree == chosen["tree"] and config.dynamic_tree is None and drafter.beam is None
+    assert "<- chosen" in capsys.readouterr().out

@@ -48,10 +48,12 @@ def test_untrained_attention_adapter_is_the_training_free_classifier(heads):
     assert not torch.allclose(adapted(hidden, model), plain(hidden, model))
 
 
-def test_attention_adapter_is_causal_attention_with_the_base_rope():
-    """Against a reference written with transformers' own ``apply_rotary_pos_emb`` and an explicit causal softmax."""
+@pytest.mark.parametrize("mlp", [0, 24])
+def test_attention_adapter_is_causal_attention_with_the_base_rope(mlp):
+    """Against a reference written with transformers' own ``apply_rotary_pos_emb`` and an explicit causal softmax
+    (and, with ``mlp``, the SwiGLU block after it written out)."""
     model = tiny_model("llama", dtype=torch.float64)
-    classifier = attention_classifier(model)
+    classifier = attention_classifier(model, adapter_mlp_size=mlp)
     block = classifier.attention
     hidden = random_hidden(model, length=7)
     positions = torch.arange(7)[None]
@@ -66,6 +68,10 @@ def test_attention_adapter_is_causal_attention_with_the_base_rope():
     scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
     out = (scores.softmax(-1) @ heads(block.v_proj(x))).transpose(1, 2).reshape(1, 7, -1)
     expected = hidden + block.o_proj(out)
+    if mlp:
+        m = block.mlp_norm(expected)
+        expected = expected + (torch.nn.functional.silu(m @ block.gate_proj.weight.T) * (m @ block.up_proj.weight.T)
+                               ) @ block.down_proj.weight.T
     torch.testing.assert_close(block(hidden, model), expected)
     # Causal: changing position 4 leaves positions 0..3 alone and changes 4..6.
     changed = hidden.clone()
@@ -113,11 +119,11 @@ class CheckedDrafter(EarlyExitDrafter):
         return tree
 
 
-@pytest.mark.parametrize("arch", LLAMA_FAMILY)
-def test_chain_draft_is_the_classifier_on_the_full_sequence(arch):
+@pytest.mark.parametrize("arch, mlp", [(arch, 0) for arch in LLAMA_FAMILY] + [("llama", 24), ("qwen3", 24)])
+def test_chain_draft_is_the_classifier_on_the_full_sequence(arch, mlp):
     model = tiny_model(arch, dtype=torch.float64)
     ids = torch.randint(2, 96, (1, 6), generator=torch.Generator().manual_seed(2))
-    drafter = CheckedDrafter(model, attention_classifier(model), DraftPolicy.chain(3))
+    drafter = CheckedDrafter(model, attention_classifier(model, adapter_mlp_size=mlp), DraftPolicy.chain(3))
     out = generate(model, drafter, ids, max_new_tokens=16)
     expected = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(out.sequences, expected)
@@ -166,6 +172,8 @@ def test_tree_draft_leaves_both_caches_as_they_were():
     (dict(adapter="attention", adapter_layers=0), "adapter_layers must be 1"),
     (dict(adapter="resblock", adapter_layers=1, adapter_heads=2), "attention adapter only"),
     (dict(adapter="attention", adapter_layers=1, adapter_heads=0), "adapter_heads must be an integer >= 1"),
+    (dict(adapter="resblock", adapter_layers=1, adapter_mlp_size=8), "attention adapter only"),
+    (dict(adapter="attention", adapter_layers=1, adapter_mlp_size=-1), "adapter_mlp_size must be an integer >= 0"),
 ])
 def test_bad_adapter_options_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):

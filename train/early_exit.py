@@ -46,11 +46,12 @@ class ClassifierConfig:
     adapter_layers: int = 1  # zero-initialised adapter blocks before the norm (0 = none; attention: exactly 1)
     adapter: str = "resblock"  # resblock (position-wise) | attention (one causal attention-only block, Kangaroo)
     adapter_heads: int | None = None  # attention adapter heads (None: the base model's head count)
+    adapter_mlp_size: int = 0  # SwiGLU MLP after the attention adapter's attention (0: attention only)
     own_norm: bool = True  # train a copy of the base final norm (False: reuse the base norm)
     draft_vocab_size: int | None = None  # score only the N most frequent training tokens when drafting (None: all)
 
     def __post_init__(self):
-        check_adapter(self.adapter, self.adapter_layers, self.adapter_heads)
+        check_adapter(self.adapter, self.adapter_layers, self.adapter_heads, self.adapter_mlp_size)
 
 
 @dataclasses.dataclass
@@ -148,7 +149,8 @@ class EarlyExitRecipe(T.Recipe):
         vocab = self.base.get_output_embeddings().weight.shape[0]
         draft_vocab = None if c.draft_vocab_size is None else frequent_tokens(self.train_examples, c.draft_vocab_size, vocab)
         self.classifier = new_classifier(self.base, c.exit_layer, adapter_layers=c.adapter_layers, adapter=c.adapter,
-                                         adapter_heads=c.adapter_heads, own_norm=c.own_norm, draft_vocab=draft_vocab)
+                                         adapter_heads=c.adapter_heads, adapter_mlp_size=c.adapter_mlp_size,
+                                         own_norm=c.own_norm, draft_vocab=draft_vocab)
         self.classifier.config.policy = dataclasses.asdict(cfg.draft)
         if self.layerskip:
             ls = cfg.layerskip

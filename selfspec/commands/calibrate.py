@@ -1,5 +1,16 @@
-"""``selfspec calibrate --heads DIR``: pick the Medusa tree with the most expected tokens per second on this
-machine, save it into the heads' config.json, and compare predicted with measured tau."""
+"""``selfspec calibrate --heads DIR``: choose how Medusa heads draft on this machine (static tree size, or a dynamic
+tree's size, width and top-k), save it into the heads' config.json, and report predicted against measured figures.
+
+Two ways to predict what a setting accepts:
+
+- ``--mode replay`` (default): replay each setting on the greedy continuations of calibration prompts
+  (``selfspec.simulate``): the real tau and drafting cost, no verification forward needed. The prompts default to
+  the built-in ones (``selfspec.data.BUILTIN_PROMPTS``), so a benchmark's prompts stay unseen.
+- ``--mode accuracy``: from the heads' held-out accuracies (Medusa's tree construction), assuming independence.
+
+Either way the verification cost of every tree size is measured on this machine, and the chosen setting has the
+most predicted tokens per second.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +18,50 @@ import argparse
 
 import torch
 
-from ..bench import eos_of, load_model, load_prompts
+from ..bench import Prompt, eos_of, load_model, load_prompts
 from ..bench_methods import GenSettings
-from ..calibrate import DEFAULT_SIZES, calibrate, check_accuracy, measure_tau, report_dict, save_tree
+from ..calibrate import (DEFAULT_SIZES, calibrate, calibrate_by_replay, check_accuracy, measure_tau, report_dict,
+                         save_setting, save_tree, settings_for)
 from .bench import add_common_arguments, apply_backend
 
 
+def _ints(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("calibrate", help="choose the Medusa tree for this machine from measured latencies",
-                              description=__doc__)
-    p.add_argument("--heads", required=True, help="Medusa heads directory (its config.json has head_accuracy)")
+    p = subparsers.add_parser("calibrate", help="choose the Medusa drafting (tree) for this machine",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", required=True, help="Medusa heads directory")
     add_common_arguments(p)
-    p.set_defaults(limit=3)
-    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="tree sizes (draft nodes) to try")
+    p.set_defaults(limit=None)
+    p.add_argument("--mode", choices=("replay", "accuracy"), default="replay",
+                   help="how to predict tau: replay on real continuations (default) or from head accuracies")
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="static tree sizes (draft nodes)")
+    p.add_argument("--dynamic-sizes", default="4,6,8,10,12,16,20",
+                   help="replay, sequential heads: dynamic tree sizes to try ('' for none)")
+    p.add_argument("--widths", default="2,4", help="replay: dynamic trees' paths expanded per depth")
+    p.add_argument("--top-ks", default="2,4", help="replay: dynamic trees' children per expanded node")
+    p.add_argument("--with-lookup", action="store_true", help="replay: calibrate the heads merged with prompt lookup")
     p.add_argument("--prefix-length", type=int, default=128, help="KV-cache length during the latency runs")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size (median taken)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-step cost added to every t(n)")
+    p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed per-step cost added to every setting")
     p.add_argument("--fit-linear", action="store_true",
-                   help="choose on a straight-line fit of t(n) rather than the raw medians (for a busy machine)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt of the tau check")
-    p.add_argument("--no-measure", action="store_true", help="skip the greedy run that measures tau")
+                   help="accuracy mode: choose on a straight-line fit of t(n) (for a busy machine)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per calibration prompt")
+    p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
     p.set_defaults(func=run)
+
+
+def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
+    if args.prompts or tokenizer is None:
+        return load_prompts(tokenizer, args.prompts, args.limit or 6, vocab_size=model.config.vocab_size,
+                            seed=args.seed)
+    from ..data import BUILTIN_PROMPTS
+    from ..prompts import encode_prompt
+    chosen = BUILTIN_PROMPTS[-(args.limit or 6):]
+    return [Prompt(f"builtin-{i}", encode_prompt(tokenizer, text)) for i, text in enumerate(chosen)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,13 +69,14 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     config = MedusaConfig.load(args.heads)
-    accuracy = check_accuracy(config.head_accuracy, f"{args.heads}/config.json")
-    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     model, tokenizer = load_model(args.model)
     backend = apply_backend(model, args)
-    best, candidates = calibrate(model, accuracy, sizes, heads_dir=args.heads, prefix_length=args.prefix_length,
-                                 repeats=args.repeats, overhead_s=args.overhead_ms / 1000,
-                                 fit_linear=args.fit_linear, seed=args.seed)
+    if args.mode == "replay":
+        return _run_replay(args, config, model, tokenizer, backend)
+    accuracy = check_accuracy(config.head_accuracy, f"{args.heads}/config.json")
+    best, candidates = calibrate(model, accuracy, _ints(args.sizes), heads_dir=args.heads,
+                                 prefix_length=args.prefix_length, repeats=args.repeats,
+                                 overhead_s=args.overhead_ms / 1000, fit_linear=args.fit_linear, seed=args.seed)
     if best.size == 0:
         print("no tree beats plain decoding on this machine with these heads: saving the empty tree")
     print("nodes | predicted tau | verify ms | draft ms | predicted tokens/s")
@@ -51,20 +85,48 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c.size:5d} | {c.predicted_tau:13.3f} | {c.latency_s * 1000:9.2f} | {c.draft_s * 1000:8.2f} | "
               f"{c.tokens_per_s:8.1f}{mark}")
     measured = None
-    if not args.no_measure and (args.prompts or tokenizer is None):
-        prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed)
+    if not args.no_measure:
+        prompts = _calibration_prompts(args, model, tokenizer)
         settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
         measured = measure_tau(model, args.heads, best.choices, prompts, settings)
         error = (measured - best.predicted_tau) / best.predicted_tau if measured else float("nan")
         print(f"tree of {best.size} nodes: predicted tau {best.predicted_tau:.3f}, measured {measured:.3f} "
               f"({error:+.1%}) on {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    elif not args.no_measure:
-        print("no --prompts: tau not measured")
     if not args.dry_run:
-        report = report_dict(best, candidates, measured_tau=measured, model=args.model,
+        report = report_dict(best, candidates, mode="accuracy", measured_tau=measured, model=args.model,
                              prefix_length=args.prefix_length, repeats=args.repeats, overhead_ms=args.overhead_ms,
                              fit_linear=args.fit_linear, linear_backend=backend,
-                             prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens)
+                             prompts=args.prompts or "builtin", limit=args.limit, max_new_tokens=args.max_new_tokens)
         path = save_tree(args.heads, best, report)
         print(f"saved the {best.size}-node tree into {path} (details in calibration.json)")
+    return 0
+
+
+def _run_replay(args, config, model, tokenizer, backend: str) -> int:
+    from ..simulate import make_references
+
+    prompts = _calibration_prompts(args, model, tokenizer)
+    print(f"calibration: greedy continuations of {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
+    references = make_references(model, [p.input_ids for p in prompts], args.max_new_tokens,
+                                 eos_token_id=eos_of(model, tokenizer))
+    settings = settings_for(config, _ints(args.sizes), _ints(args.dynamic_sizes), _ints(args.widths),
+                            _ints(args.top_ks))
+    print("setting | tau | mean nodes | verify ms | draft ms | predicted tokens/s")
+    best, rows = calibrate_by_replay(model, args.heads, settings, references, with_lookup=args.with_lookup,
+                                     prefix_length=args.prefix_length, repeats=args.repeats,
+                                     overhead_s=args.overhead_ms / 1000, seed=args.seed)
+    for r in rows:
+        mark = "  <- chosen" if r is best else ""
+        print(f"{r.setting.label:32s} | {r.tau:5.2f} | {r.tree_size:6.1f} | {r.verify_s * 1e3:8.2f} | "
+              f"{r.draft_s * 1e3:7.2f} | {r.tokens_per_s:7.2f}{mark}")
+    if not args.dry_run:
+        report = {"mode": "replay", "chosen": best.setting.label, "with_lookup": args.with_lookup,
+                  "candidates": [{"setting": r.setting.label, "tree": r.setting.choices, "dynamic": r.setting.dynamic,
+                                  "tau": r.tau, "tree_size": r.tree_size, "verify_s": r.verify_s,
+                                  "draft_s": r.draft_s, "predicted_tokens_per_s": r.tokens_per_s} for r in rows],
+                  "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
+                  "prompts": args.prompts or "builtin", "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  "overhead_ms": args.overhead_ms, "repeats": args.repeats}
+        path = save_setting(args.heads, best.setting, report)
+        print(f"saved '{best.setting.label}' into {path} (details in calibration.json)")
     return 0
