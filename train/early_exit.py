@@ -88,7 +88,8 @@ class EarlyExitRecipeConfig:
     seed: int = 0  # data order, sampling, initialisation
     resume: bool = False  # continue from the latest complete checkpoint in output_dir (same as --resume)
     loss_chunk_size: int = 1024  # positions per LM-head matmul in the loss (memory: chunk x vocab floats)
-    cache_hidden_states: bool = True  # run the frozen base once over the training data, keep its states in memory
+    cache_hidden_states: bool = True  # run the frozen base once over the training data, keep its states on disk
+    hidden_cache_dir: str | None = None  # where (None: <output_dir>/data); recipes on the same data can share it
     loss_vocab: str = "auto"  # full | draft (KL over the draft vocabulary only: cheaper) | auto (draft if it is set)
     method: str = "distill"  # distill: frozen base, train the classifier | layerskip: LoRA backbone, early-exit loss
     classifier: ClassifierConfig = dataclasses.field(default_factory=ClassifierConfig)  # what is trained
@@ -196,18 +197,17 @@ class EarlyExitRecipe(T.Recipe):
         out = self.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
         return out.hidden_states[self.cfg.classifier.exit_layer], out.hidden_states[-1]
 
-    @torch.no_grad()
     def _hidden_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The frozen base's two states for every training example, computed once: every epoch reuses them."""
-        out = []
-        size = self.cfg.optim.batch_size
-        for start in tqdm(range(0, len(self.train_examples), size), desc="base hidden states",
-                          disable=not self.accelerator.is_local_main_process):
-            chunk = self.train_examples[start:start + size]
-            exit_hidden, final_hidden = self.base_states(collate(chunk, self.pad_id))
-            out += [(exit_hidden[i, :len(e["input_ids"])].clone(), final_hidden[i, :len(e["input_ids"])].clone())
-                    for i, e in enumerate(chunk)]
-        return out
+        """The frozen base's two states for every training example, computed once (and shared through
+        ``hidden_cache_dir`` with other recipes on the same data): every epoch reuses them."""
+        directory = self.cfg.hidden_cache_dir or self.output_dir / "data"
+        exit_layer = self.cfg.classifier.exit_layer
+        states = T.cached_hidden_states(self.base, self.train_examples, [exit_layer, -1], directory,
+                                        pad_id=self.pad_id, batch_size=self.cfg.optim.batch_size,
+                                        accelerator=self.accelerator,
+                                        progress=lambda it: tqdm(it, desc="base hidden states",
+                                                                 disable=not self.accelerator.is_local_main_process))
+        return list(zip(states[exit_layer], states[-1]))
 
     def make_batch(self, indices: list[int]) -> dict:
         """The micro-batch, with the frozen base's cached ``exit_hidden`` and ``final_hidden`` when there is a

@@ -58,6 +58,7 @@ class MedusaRecipeConfig:
     resume: bool = False  # continue from the latest complete checkpoint in output_dir (same as --resume)
     method: str = "medusa1"  # medusa1: frozen backbone | medusa2: LoRA backbone + heads
     cache_hidden_states: bool = True  # medusa1: run the base once, keep its hidden states on disk for every epoch
+    hidden_cache_dir: str | None = None  # where (None: <output_dir>/data); recipes on the same data can share it
     head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
     loss_chunk_size: int = 1024  # positions per LM-head matmul in the loss (memory: chunk x vocab floats)
     base_loss: str = "lm"  # medusa2: lm (next-token loss on the data) | kl (KL to the frozen base) | none
@@ -168,27 +169,13 @@ class MedusaRecipe(T.Recipe):
                 assert p.requires_grad == ("lora_" in name), f"medusa2 trains LoRA + heads only; {name} disagrees"
         assert heads and all(p.requires_grad for p in self.model.heads.parameters())
 
-    @torch.no_grad()
     def _hidden_cache(self) -> list[torch.Tensor]:
         """Base hidden states of every training example, computed once (by the main process) and kept on disk."""
-        import safetensors.torch
-        from selfspec.io import atomic_write_bytes
-        acc = self.accelerator
-        path = self.output_dir / "data" / f"hidden-{_examples_digest(self.train_examples)}.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if acc.is_main_process and not path.is_file():
-            states = {}
-            for start in tqdm(range(0, len(self.train_examples), 8), desc="caching hidden states"):
-                chunk = self.train_examples[start:start + 8]
-                batch = collate(chunk, self.pad_id)
-                hidden = self.model.backbone(input_ids=batch["input_ids"],
-                                             attention_mask=batch["attention_mask"]).last_hidden_state
-                for i, e in enumerate(chunk):
-                    states[str(start + i)] = hidden[i, :len(e["input_ids"])].contiguous()
-            atomic_write_bytes(path, safetensors.torch.save(states))
-        acc.wait_for_everyone()
-        states = safetensors.torch.load_file(str(path))
-        return [states[str(i)] for i in range(len(self.train_examples))]
+        directory = self.cfg.hidden_cache_dir or self.output_dir / "data"
+        states = T.cached_hidden_states(self.base, self.train_examples, [-1], directory, pad_id=self.pad_id,
+                                        accelerator=self.accelerator,
+                                        progress=lambda it: tqdm(it, desc="caching hidden states"))
+        return states[-1]
 
     # ------------------------------------------------------------ loss
     def make_batch(self, indices: list[int]) -> dict:
@@ -339,14 +326,6 @@ def _lm_head(heads: MedusaHeads, k: int):
     if heads.shared_lm_head is not None:
         return heads.shared_lm_head.weight, getattr(heads.shared_lm_head, "bias", None)
     return heads.lm_head_weight[k], None if heads.lm_head_bias is None else heads.lm_head_bias[k]
-
-
-def _examples_digest(examples: list[dict]) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    for e in examples:
-        h.update(json.dumps(e["input_ids"]).encode())
-    return h.hexdigest()[:16]
 
 
 def main(argv: list[str] | None = None) -> dict:

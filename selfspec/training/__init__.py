@@ -11,6 +11,7 @@ from selfspec.training.checkpoints import (CHECKPOINT_PREFIX, TRAINER_STATE, che
 from selfspec.training.config import (DataConfig, LoggingConfig, LoraConfig, OptimConfig, apply_overrides,
                                       config_to_dict, flat_config, load_config, lr_lambda, parse_recipe_args,
                                       step_batches)
+from selfspec.training.hidden import cached_hidden_states, examples_digest, hidden_states
 from selfspec.training.losses import chunked_cross_entropy, chunked_kl, chunked_rank_counts
 from selfspec.training.recipe import Recipe
 from selfspec.training.runtime import (byte_tokenizer, count_parameters, global_mean_denominator, load_base_model,
@@ -20,6 +21,7 @@ __all__ = [
     "CHECKPOINT_PREFIX", "TRAINER_STATE", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
     "DataConfig", "LoggingConfig", "LoraConfig", "OptimConfig", "apply_overrides", "config_to_dict", "flat_config",
     "load_config", "lr_lambda", "parse_recipe_args", "step_batches",
+    "cached_hidden_states", "examples_digest", "hidden_states",
     "chunked_cross_entropy", "chunked_kl", "chunked_rank_counts",
     "Recipe",
     "byte_tokenizer", "count_parameters", "global_mean_denominator", "load_base_model", "make_accelerator",

@@ -1,0 +1,63 @@
+"""selfspec.training.hidden: the hidden states a recipe caches are the base model's own (every layer, with the
+partial forward stopping early), are computed once per model, data and layer, and are shared between recipes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec import training as T
+from selfspec.testing import tiny_model
+
+
+def _examples(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(2, 96, (int(k),), generator=g).tolist(), "loss_mask": [1] * int(k)}
+            for k in torch.randint(3, 12, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma"])
+def test_hidden_states_are_the_models_own(arch):
+    model = tiny_model(arch, dtype=torch.float64)
+    ids = torch.randint(2, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    total = model.config.num_hidden_layers
+    for layers in ([-1], [0], [2], [1, total - 1], [0, 2, -1]):
+        out = T.hidden_states(model, ids, mask, layers)
+        for layer in layers:
+            torch.testing.assert_close(out[layer], reference[layer], rtol=0, atol=0)
+
+
+def test_partial_forward_stops_after_the_deepest_layer_asked_for():
+    model = tiny_model("llama")
+    calls = []
+    hooks = [layer.register_forward_hook(lambda *_, i=i: calls.append(i)) for i, layer in enumerate(model.model.layers)]
+    T.hidden_states(model, torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.long), [2])
+    for hook in hooks:
+        hook.remove()
+    assert calls == [0, 1]
+
+
+def test_cached_once_per_layer_and_shared(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    examples = _examples(5)
+    computed = []
+    real = T.hidden.hidden_states
+    monkeypatch.setattr(T.hidden, "hidden_states", lambda *a, **k: computed.append(tuple(a[3])) or real(*a, **k))
+    first = T.cached_hidden_states(model, examples, [2, -1], tmp_path, batch_size=2)
+    assert computed == [(2, -1)] * 3 and [t.shape[0] for t in first[-1]] == [len(e["input_ids"]) for e in examples]
+    # Another recipe on the same data: the last layer is read back, only the new layer is computed.
+    second = T.cached_hidden_states(model, examples, [-1, 1], tmp_path, batch_size=4)
+    assert computed[3:] == [(1,)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(first[-1], second[-1]))
+    with torch.no_grad():
+        ids = torch.tensor([examples[3]["input_ids"]])
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(second[1][3], expected[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(first[2][3], expected[2][0], rtol=1e-6, atol=1e-6)
+    # Other data: other files.
+    T.cached_hidden_states(model, _examples(5, seed=1), [-1], tmp_path)
+    assert len(list(tmp_path.glob("hidden-*"))) == 4
