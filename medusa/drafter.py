@@ -135,8 +135,10 @@ class MedusaDrafter(DrafterBase):
         self.heads = heads.eval()
         saved = heads.config.dynamic_tree
         if tree is None and dynamic is None and saved:  # the calibrated default
-            dynamic, width, top_k = saved["size"], width or saved.get("width"), top_k or saved.get("top_k")
-        width, top_k = width or 4, top_k or 4
+            dynamic = saved["size"]
+            width = saved.get("width") if width is None else width
+            top_k = saved.get("top_k") if top_k is None else top_k
+        width, top_k = 4 if width is None else width, 4 if top_k is None else top_k
         self.template = resolve_tree(tree, heads)
         sequential = heads.config.sequential
         self.beam = self.selector = self.plan = None

@@ -14,15 +14,9 @@ from medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from medusa.heads import path_tokens
 from selfspec.testing import tiny_model
 
+from test_medusa import randomize
+
 VOCAB = 96
-
-
-def randomize(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> MedusaHeads:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
-    return heads
 
 
 def sequential_heads(model, seed: int = 0, **overrides) -> MedusaHeads:

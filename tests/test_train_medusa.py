@@ -192,9 +192,21 @@ def test_draft_vocabulary_loss_trains_on_its_own_rows(recipe, tmp_path):
         run_recipe(recipe, args(tmp_path, data, "loss_vocab=draft", f"output_dir={tmp_path / 'bad'}"))
 
 
-def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
+def assert_lossless_tiny_llama(recipe, heads_dir):
+    """Saved heads decode the tiny Llama exactly as its own greedy ``generate``; returns the drafter."""
     import decoding
     import medusa
+    model, _ = recipe.T.load_base_model("tiny:llama")
+    drafter = medusa.load(model, heads_dir, tree=8)
+    ids = torch.tensor([[1, 17, 4, 33, 8]])
+    out = decoding.generate(model, drafter, ids, max_new_tokens=20)
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                               min_new_tokens=20, pad_token_id=0)
+    assert out.sequences.tolist() == reference.tolist()
+    return drafter
+
+
+def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
     data = conversations(tmp_path / "d.jsonl", 6)
     r = run_recipe(recipe, args(tmp_path, data, "heads.sequential=true", "optim.max_steps=2", "optim.epochs=2"))
     first, second = (h["loss"] for h in r.history)
@@ -205,19 +217,11 @@ def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
     recipe.main(args(tmp_path, data, "heads.sequential=true", "optim.max_steps=3", f"output_dir={tmp_path / 's'}"))
     heads_dir = tmp_path / "s" / "heads"
     assert set(load_file(str(heads_dir / "model.safetensors"))) == {"resblock_weight", "resblock_bias", "token_weight"}
-    model, _ = recipe.T.load_base_model("tiny:llama")
-    drafter = medusa.load(model, heads_dir, tree=8)
+    drafter = assert_lossless_tiny_llama(recipe, heads_dir)
     assert drafter.plan is not None
-    ids = torch.tensor([[1, 17, 4, 33, 8]])
-    out = decoding.generate(model, drafter, ids, max_new_tokens=20)
-    reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
-                               min_new_tokens=20, pad_token_id=0)
-    assert out.sequences.tolist() == reference.tolist()
 
 
 def test_prefix_attention_with_distillation_trains_saves_and_decodes_losslessly(recipe, tmp_path):
-    import decoding
-    import medusa
     data = conversations(tmp_path / "d.jsonl", 6)
     overrides = ["heads.sequential=true", "heads.prefix_attention=true", "heads.prefix_mlp_size=16",
                  "distill_weight=0.5"]
@@ -230,14 +234,8 @@ def test_prefix_attention_with_distillation_trains_saves_and_decodes_losslessly(
     assert float(r.model.heads.prefix.o_proj.weight.detach().abs().sum()) > 0  # left its zero initialisation
     recipe.main(args(tmp_path, data, *overrides, "optim.max_steps=3", f"output_dir={tmp_path / 's'}"))
     heads_dir = tmp_path / "s" / "heads"
-    model, _ = recipe.T.load_base_model("tiny:llama")
-    drafter = medusa.load(model, heads_dir, tree=8)
+    drafter = assert_lossless_tiny_llama(recipe, heads_dir)
     assert drafter.context_cache is not None and drafter.heads.config.prefix_mlp_size == 16
-    ids = torch.tensor([[1, 17, 4, 33, 8]])
-    out = decoding.generate(model, drafter, ids, max_new_tokens=20)
-    reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
-                               min_new_tokens=20, pad_token_id=0)
-    assert out.sequences.tolist() == reference.tolist()
 
 
 def test_distillation_term_is_the_kl_to_the_base_distribution(recipe, tmp_path):
