@@ -27,6 +27,22 @@ def test_lookup_takes_the_longest_then_most_recent_match():
     assert lookup_continuation(torch.tensor([6, 6]), 2, 1, 4).tolist() == [6]
 
 
+def test_several_candidates_come_from_distinct_earlier_occurrences():
+    from decoding.lookup import lookup_continuations
+    from decoding.drafter import DecodeState, SamplingParams
+    seq = torch.tensor([1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 4, 9, 1, 2])
+    found = lookup_continuations(seq, max_ngram=2, min_ngram=1, num_tokens=2, num_candidates=3)
+    # "1 2" was followed by 3 4 (most recent), 5 6, and 3 4 again (a repeat, skipped).
+    assert [f.tolist() for f in found] == [[3, 4], [5, 6]]
+    drafter = LookupDrafter(max_ngram=2, num_tokens=2, num_candidates=3)
+    tree = drafter.propose(DecodeState(model=None, cache=None, sequence=seq[None], sampling=SamplingParams()))
+    assert tree.tokens.tolist() == [3, 4, 5, 6] and tree.parents.tolist() == [-1, 0, -1, 2]
+    single = LookupDrafter(max_ngram=2, num_tokens=2).propose(
+        DecodeState(model=None, cache=None, sequence=seq[None], sampling=SamplingParams()))
+    assert single.tokens.tolist() == [3, 4]
+    assert make_drafter("lookup", None, num_candidates="2").num_candidates == 2
+
+
 def test_lookup_drafter_errors():
     with pytest.raises(ValueError, match="num_tokens must be an integer >= 1"):
         LookupDrafter(num_tokens=0)
@@ -69,8 +85,9 @@ def test_greedy_equality_with_lookup_and_medusa_plus_lookup(arch, tmp_path):
     for seed in range(3):
         prompt = _repetitive_prompt(vocab, seed)
         expected = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False).tolist()
-        for drafter in (LookupDrafter(num_tokens=5),
-                        combine(MedusaDrafter(heads, tree=[[0], [1], [0, 0]]), LookupDrafter(max_ngram=2))):
+        for drafter in (LookupDrafter(num_tokens=5), LookupDrafter(num_tokens=3, num_candidates=3),
+                        combine(MedusaDrafter(heads, tree=[[0], [1], [0, 0]]), LookupDrafter(max_ngram=2)),
+                        combine(MedusaDrafter(heads, tree=[[0], [1]]), LookupDrafter(num_candidates=2))):
             out = decoding.generate(model, drafter, prompt, max_new_tokens=30, eos_token_id=None)
             assert out.sequences.tolist() == expected
             accepted += sum(out.stats.accepted_per_step)
