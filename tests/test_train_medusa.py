@@ -156,6 +156,13 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
     ids = encode_prompt(tokenizer, "say 3")
     reference = adapted.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_token_id)
     assert record["token_ids"] == reference[0, ids.shape[1]:].tolist()
+    # Drafters joined by '+' propose one merged tree; an unknown name is refused before anything loads.
+    assert cli(["generate", "--draft", "medusa+lookup", "--heads", str(heads_dir), "--prompt", "say 3",
+                "--max-new-tokens", "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == record["token_ids"]
+    with pytest.raises(SystemExit):
+        cli(["generate", "--draft", "medusa+eagle", "--prompt", "say 3"])
+    assert "unknown drafter 'eagle'" in capsys.readouterr().err
 
 
 def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_within_it(recipe, tmp_path):

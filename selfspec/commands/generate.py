@@ -24,13 +24,25 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
+def _drafter_name(text: str) -> str:
+    from decoding import available_drafters
+
+    unknown = [part for part in text.split("+") if part not in available_drafters()]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}; choose from "
+                                         f"{', '.join(available_drafters())} (or join several with '+')")
+    return text
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from decoding import available_drafters
 
     p = sub.add_parser("generate", help="generate text with speculative decoding",
                        description="Generate with the base model verifying drafts from its own heads or layers.")
     p.add_argument("--model", default=None, help="model alias, hub id or local path (default: the embedded model)")
-    p.add_argument("--draft", default="none", choices=available_drafters(), help="drafter (default: none)")
+    p.add_argument("--draft", default="none", type=_drafter_name,
+                   help=f"drafter: one of {', '.join(available_drafters())}, or several joined by '+' into one tree "
+                        "(medusa+lookup); default none")
     p.add_argument("--heads", default=None, help="directory of trained heads / classifier / layer-skip config")
     p.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra drafter option, repeatable (e.g. tree_size=16)")
