@@ -335,8 +335,8 @@ def test_registry(tmp_path, tiny_llama64):
         make_drafter("medusa", tiny_llama64)
     assert len(make_drafter("medusa", tiny_llama64, str(tmp_path / "h"), tree="8", dynamic="3").propose(
         _state(tiny_llama64, torch.tensor([[1, 2, 3]])))) == 3
-    with pytest.raises(ValueError, match="unknown medusa drafter option"):
-        make_drafter("medusa", tiny_llama64, str(tmp_path / "h"), width=3)
+    with pytest.raises(ValueError, match=r"unknown medusa drafter option\(s\) \['depth'\]"):
+        make_drafter("medusa", tiny_llama64, str(tmp_path / "h"), depth=3)
 
 
 # --- greedy equality ------------------------------------------------------------------------------------------
