@@ -112,6 +112,7 @@ class MedusaHeads(nn.Module):
         else:
             self.draft_vocab = None
         self._draft_weight: torch.Tensor | None = None
+        self._draft_packed: torch.Tensor | None = None  # the skinny kernel's layout of _draft_weight, when used
 
     @property
     def num_heads(self) -> int:
@@ -214,7 +215,7 @@ class MedusaHeads(nn.Module):
         if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary: ids must be in 0..{self.config.vocab_size - 1}")
         self.draft_vocab.copy_(token_ids)
-        self._draft_weight = None
+        self._draft_weight = self._draft_packed = None
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[k, ..., hidden]`` head features -> ``[k, ..., draft_vocab_size]`` logits over the draft vocabulary
@@ -225,14 +226,30 @@ class MedusaHeads(nn.Module):
         if self._draft_weight is None or self._draft_weight.device != features.device:
             # Gathered once: slicing the rows every step would cost as much as the product it saves.
             self._draft_weight = head.weight.detach()[self.draft_vocab].contiguous()
+            self._draft_packed = None
         flat = features.reshape(-1, features.shape[-1]).to(self._draft_weight.dtype)
-        # weight @ x.T: for the few rows of a draft this GEMM shape is fast with every CPU BLAS (x @ weight.T is
-        # not, for 2-3 rows); the drafter's rounding never affects what verification accepts.
-        out = (self._draft_weight @ flat.T).T
         bias = getattr(head, "bias", None)
-        if bias is not None:
-            out = out + bias[self.draft_vocab]
+        bias = None if bias is None else bias[self.draft_vocab]
+        if self._use_skinny(flat):
+            from selfspec import skinny
+            if self._draft_packed is None:
+                self._draft_packed = skinny.pack(self._draft_weight)
+            out = skinny.linear(flat, self._draft_packed, self._draft_weight.shape[0], bias)
+        else:
+            # weight @ x.T: for the few rows of a draft this GEMM shape is fast with every CPU BLAS (x @ weight.T is
+            # not, for 2-3 rows); the drafter's rounding never affects what verification accepts.
+            out = (self._draft_weight @ flat.T).T
+            if bias is not None:
+                out = out + bias
         return out.reshape(*features.shape[:-1], -1)
+
+    def _use_skinny(self, rows: torch.Tensor) -> bool:
+        """Draft with the skinny kernel when the base's LM head runs on it (``selfspec.kernels``): drafting is the
+        same few-row product against a slice of that head."""
+        from selfspec import skinny
+        from selfspec.kernels import module_backend
+        return (not torch.is_grad_enabled() and rows.dtype == torch.float32 and rows.device.type == "cpu"
+                and rows.shape[0] <= skinny.MAX_ROWS and module_backend(self.shared_lm_head) == "skinny")
 
     def head_draft_logits(self, features: torch.Tensor, head: int) -> torch.Tensor:
         """``[rows, hidden]`` outputs of one head -> ``[rows, draft vocab or vocab]`` logits through that head's

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=3, help="prompts to profile")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--linear-backend", default="auto", choices=("auto", "stock", "onednn"))
+    parser.add_argument("--linear-backend", default="auto", choices=("auto", "stock", "onednn", "skinny"))
     parser.add_argument("--ops", action="store_true", help="also profile operators with torch.profiler")
     parser.add_argument("--top", type=int, default=15, help="operators to list with --ops")
     parser.add_argument("--json", default=None, help="write the figures to this file")

@@ -8,9 +8,12 @@ these shapes, so the backend decides whether a 4-node tree costs 1.5x or 1.1x on
 
 ``set_linear_backend(model, "onednn")`` makes every float32 ``nn.Linear`` of ``model`` run through oneDNN
 (``torch._C._nn.mkldnn_linear``) when gradients are off; training, other dtypes and other devices keep the stock
-path. The parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each
-layer keeps a oneDNN copy of its weight, repacked when the parameter changes. ``"auto"`` times a short forward
-both ways and keeps the faster.
+path. ``"skinny"`` runs them through this project's own kernel (``selfspec.skinny``, compiled for the CPU on first
+use): register-blocked for 1 to 32 rows, it streams each weight once per call and keeps every loaded weight vector
+busy for all rows, so a step of 8 tokens costs about what one token does. Calls with more rows (prefill) take the
+stock path. The parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each
+layer keeps a packed copy of its weight, repacked when the parameter changes. ``"auto"`` times a short forward
+on each available backend and keeps the fastest.
 
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
@@ -28,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("stock", "onednn", "auto")
+BACKENDS = ("stock", "onednn", "skinny", "auto")
 _STATE = "_selfspec_linear_backend"
+_KERNEL_CACHE = "_selfspec_linear_kernels"
 # oneDNN's linear on dense activations against a packed weight (what Inductor's CPU freezing uses): the same
 # primitive as ``mkldnn_linear``, bitwise, minus converting every input to and every output from oneDNN's layout.
 _POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -50,33 +54,85 @@ def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch._C._nn.mkldnn_linear(rows.to_mkldnn(), weight, packed_bias).to_dense()
 
 
-class _OneDNNLinear:
-    """A replacement ``forward`` for one ``nn.Linear``: oneDNN when it applies, the stock path otherwise."""
+class _PackedLinear:
+    """A replacement ``forward`` for one ``nn.Linear``: a packed-weight kernel when it applies, stock otherwise."""
+
+    backend = ""
 
     def __init__(self, module: nn.Linear):
         self.module = module
         self._key = None
         self._weight = self._bias = None
 
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        raise NotImplementedError
+
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _packed(self):
         weight, bias = self.module.weight, self.module.bias
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if key != self._key:  # first call, or the parameter was replaced or changed in place: repack
             with torch.no_grad():
-                self._weight = weight.detach().to_mkldnn()
-                self._bias = None if bias is None else bias.detach().to_mkldnn()
+                self._weight, self._bias = self._pack(weight.detach(), None if bias is None else bias.detach())
             self._key = key
         return self._weight, self._bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _applies(self, x: torch.Tensor) -> bool:
         module = self.module
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
-                or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu" or x.numel() == 0):
-            return F.linear(x, module.weight, module.bias)
-        weight, bias = self._packed()
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = onednn_linear(rows, weight, module.bias, bias)
+        return not (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu" or x.numel() == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._applies(x):
+            return F.linear(x, self.module.weight, self.module.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = self._run(rows)
+        if out is None:
+            return F.linear(x, self.module.weight, self.module.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _OneDNNLinear(_PackedLinear):
+    backend = "onednn"
+
+    def _pack(self, weight, bias):
+        return weight.to_mkldnn(), None if bias is None else bias.to_mkldnn()
+
+    def _run(self, rows):
+        weight, bias = self._packed()
+        return onednn_linear(rows.contiguous(), weight, self.module.bias, bias)
+
+
+class _SkinnyLinear(_PackedLinear):
+    backend = "skinny"
+
+    def _pack(self, weight, bias):
+        from . import skinny
+        return skinny.pack(weight), None
+
+    def _run(self, rows):
+        from . import skinny
+        if rows.shape[0] > skinny.MAX_ROWS:
+            return None  # a large GEMM: the stock BLAS is good at those
+        weight, _ = self._packed()
+        return skinny.linear(rows, weight, self.module.out_features, self.module.bias)
+
+
+_KERNELS = {"onednn": _OneDNNLinear, "skinny": _SkinnyLinear}
+
+
+def skinny_available() -> bool:
+    """The skinny kernel builds (or is built) on this machine (``selfspec.skinny``)."""
+    from . import skinny
+    return skinny.available()
+
+
+def module_backend(module: nn.Module) -> str:
+    """The backend one linear layer runs on now: ``stock``, ``onednn`` or ``skinny``."""
+    current = module.__dict__.get("forward")
+    return current.backend if isinstance(current, _PackedLinear) else "stock"
 
 
 def linear_backend_of(model: nn.Module) -> str:
@@ -88,25 +144,35 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     """Run ``model``'s linear layers on ``backend`` (in place); returns the backend now in effect.
 
     Args:
-        backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, or ``auto`` (oneDNN if this build has it,
-            the model is a float32 CPU model, and a timed forward of 1 and 4 tokens is faster with it).
+        backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, ``skinny`` (``selfspec.skinny``), or
+            ``auto``: for a float32 CPU model, the one of those available here whose timed forward of 1 and of 8
+            tokens is fastest; ``stock`` otherwise. Each layer keeps the packed weights of every backend it has run
+            on (a copy of the weights per backend), so switching back is free.
 
     Raises:
-        ValueError: an unknown backend, or ``onednn`` where this PyTorch build has no oneDNN.
+        ValueError: an unknown backend, ``onednn`` where this PyTorch build has no oneDNN, or ``skinny`` where the
+            kernel cannot be built (the message says why).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "onednn" and not onednn_available():
         raise ValueError("this PyTorch build has no oneDNN (torch.backends.mkldnn); use --linear-backend stock")
+    if backend == "skinny" and not skinny_available():
+        from . import skinny
+        raise ValueError(f"the skinny kernel is not available here: {skinny.unavailable_reason()}; it needs a C++ "
+                         "compiler and the ninja package; use --linear-backend onednn or stock")
     if backend == "auto":
         backend = _choose(model)
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            if backend == "onednn":
-                if not isinstance(module.__dict__.get("forward"), _OneDNNLinear):
-                    module.forward = _OneDNNLinear(module)
-            elif isinstance(module.__dict__.get("forward"), _OneDNNLinear):
+            current = module.__dict__.get("forward")
+            if isinstance(current, _PackedLinear) and current.backend != backend:
                 del module.forward  # back to nn.Linear.forward
+                current = None
+            if backend in _KERNELS and current is None:
+                # One kernel object per layer and backend, kept: switching back and forth does not repack.
+                kernels = module.__dict__.setdefault(_KERNEL_CACHE, {})
+                module.forward = kernels.setdefault(backend, _KERNELS[backend](module))
     setattr(model, _STATE, backend)
     return backend
 
@@ -123,23 +189,26 @@ def linear_backend(model: nn.Module, backend: str) -> Iterator[str]:
 
 def _choose(model: nn.Module) -> str:
     params = next(model.parameters(), None)
-    if (not onednn_available() or params is None or params.device.type != "cpu"
-            or params.dtype != torch.float32):
+    if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
+        return "stock"
+    candidates = ["stock"] + (["onednn"] if onednn_available() else []) + (["skinny"] if skinny_available() else [])
+    if len(candidates) == 1:
         return "stock"
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(0))
     previous = linear_backend_of(model)
     timings = {}
-    for candidate in ("stock", "onednn", "stock", "onednn"):
+    for candidate in candidates * 2:  # twice, interleaved: one slow moment of a busy machine decides nothing
         set_linear_backend(model, candidate)
         timings[candidate] = min(timings.get(candidate, float("inf")), _time_forward(model, ids))
     set_linear_backend(model, previous)
-    return "onednn" if timings["onednn"] < timings["stock"] else "stock"
+    return min(candidates, key=timings.__getitem__)
 
 
 @torch.inference_mode()
 def _time_forward(model: nn.Module, ids: torch.Tensor) -> float:
-    """Seconds for a forward of 1 and of 4 new tokens after a 12-token prefix (best of 3)."""
+    """Seconds for a forward of 1 and of 8 new tokens (a plain step and a small tree) after a 12-token prefix
+    (best of 3)."""
     from transformers import DynamicCache
 
     best = float("inf")
@@ -148,6 +217,6 @@ def _time_forward(model: nn.Module, ids: torch.Tensor) -> float:
         model(input_ids=ids[:, :12], cache=cache, use_cache=True)
         start = time.perf_counter()
         model(input_ids=ids[:, 12:13], cache=cache, use_cache=True)
-        model(input_ids=ids[:, 12:16], cache=cache, use_cache=True)
+        model(input_ids=ids[:, 12:20], cache=cache, use_cache=True)
         best = min(best, time.perf_counter() - start)
     return best

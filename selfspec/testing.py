@@ -44,3 +44,20 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
         head = model.get_output_embeddings()
         head.weight.mul_(8.0)
     return model.eval()
+
+
+def assert_random_trees_decode_losslessly(model, seeds_and_lengths=((1, 3), (2, 17)), max_new_tokens: int = 20) -> None:
+    """Greedy tree decoding equals ``model.generate`` with random 6-node trees that often hold the true
+    continuation (so deep paths are accepted and verified), for each ``(seed, prompt length)``."""
+    import decoding
+    from decoding.testing import RandomDrafter
+
+    vocab = model.config.vocab_size
+    for seed, length in seeds_and_lengths:
+        prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+        expected = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                                  min_new_tokens=max_new_tokens)
+        drafter = RandomDrafter(vocab, size=6, seed=seed, reference=expected, hit_rate=0.7)
+        out = decoding.generate(model, drafter, prompt, max_new_tokens=max_new_tokens, eos_token_id=None)
+        assert out.sequences.tolist() == expected.tolist(), f"tree decoding diverged (seed {seed}, length {length})"
+        assert out.stats.tau > 1.5, f"too few drafts accepted to exercise verification (tau {out.stats.tau:.2f})"

@@ -3,6 +3,8 @@ and with the committed heads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -62,3 +64,25 @@ def test_greedy_equality_committed_heads(smollm2, references):
     taus = _check(smollm2, references, load(model, heads_dir))
     # Trained heads must actually draft: a tau of 1 would mean no draft token is ever accepted.
     assert sum(taus) / len(taus) > 1.2, taus
+
+
+def test_greedy_equality_sequential_heads_with_lookup_on_the_skinny_kernel(smollm2):
+    """What the benchmark runs: the committed sequential heads merged with prompt lookup, every linear layer on the
+    skinny kernel, against HF ``generate`` on the same kernel."""
+    from decoding.drafter import make_combined
+    from selfspec.kernels import linear_backend
+
+    model, tokenizer = smollm2
+    heads_dir = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-medusa-seq")
+    with linear_backend(model, "skinny"):
+        drafter = make_combined([("medusa", heads_dir), ("lookup", None)], model, {})
+        taus = []
+        for text in PROMPTS + ("List the planets of the solar system, one per line, with their order from the sun.",):
+            ids = encode_prompt(tokenizer, text)
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                                      temperature=None, top_p=None, top_k=None).tolist()
+            out = decoding.generate(model, drafter, ids, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+            assert out.sequences.tolist() == expected, text
+            taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.3, taus

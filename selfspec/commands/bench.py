@@ -23,9 +23,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--linear-backend", default="auto", choices=["auto", "stock", "onednn"],
-                        help="library for the linear layers (selfspec.kernels); auto (default) times both on "
-                             "this machine and keeps the faster")
+    from ..kernels import BACKENDS
+    parser.add_argument("--linear-backend", default="auto", choices=list(BACKENDS),
+                        help="kernels for the linear layers (selfspec.kernels): stock, onednn, or skinny (this "
+                             "project's, built for the CPU on first use); auto (default) times each on this machine "
+                             "and keeps the fastest")
 
 
 def apply_backend(model, args: argparse.Namespace) -> str:

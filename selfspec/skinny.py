@@ -1,0 +1,115 @@
+"""The skinny-GEMM kernel (``selfspec/csrc/skinny_linear.cpp``): float32 linear layers for the 1 to ~32 rows of a
+decode step, compiled for this CPU on first use.
+
+The extension is built with PyTorch's ``cpp_extension`` (a C++ compiler and ``ninja`` are needed) into
+``$SELFSPEC_HOME/kernels/skinny-<key>``, where the key covers the source, the compiler flags, the PyTorch version and
+the CPU's feature flags (``-march=native`` code must never run on another CPU). Concurrent first uses wait for one
+build (PyTorch's build lock). Where it cannot be built, ``available()`` is False, ``unavailable_reason()`` says why,
+and ``selfspec.kernels`` keeps its other backends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
+#: Above this many rows a call goes to PyTorch's own GEMM, which is good at large shapes (prefill, training).
+MAX_ROWS = 32
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key() -> str:
+    """What the compiled module depends on, hashed: source, flags, PyTorch, Python and the CPU's features."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    from .models import cache_home
+
+    directory = cache_home() / "kernels" / f"skinny-{build_key()}"
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob("*.so")):
+        print("selfspec: building the skinny linear kernel for this CPU (once per machine, about a minute)",
+              file=sys.stderr, flush=True)
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja  # the PyPI package: its binary is in the venv, which need not be on PATH (.venv/bin/python ...)
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    except ImportError:
+        pass  # a system ninja may still be on PATH; cpp_extension says so if not
+    try:
+        return cpp_extension.load(name="selfspec_skinny_linear", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                  build_directory=str(directory), verbose=False)
+    finally:
+        os.environ["PATH"] = path
+
+
+def extension():
+    """The compiled module (built on first call).
+
+    Raises:
+        RuntimeError: it cannot be built here (no compiler, no ninja, not an x86/ARM CPU...), with the reason.
+    """
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = _build()
+            except Exception as e:  # compiler missing, build failure, ninja missing: all mean "not here"
+                _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        if _module is None:
+            raise RuntimeError(f"the skinny linear kernel could not be built on this machine ({_error}); it needs a "
+                               "C++ compiler (g++) and the ninja package (pip install ninja). Use "
+                               "--linear-backend onednn or stock instead")
+        return _module
+
+
+def available() -> bool:
+    """The kernel is built (or builds now) on this machine."""
+    try:
+        extension()
+    except RuntimeError:
+        return False
+    return True
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _error
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` float32 weight -> the kernel's panel layout (a new tensor; the parameter is untouched)."""
+    return extension().pack(weight.detach())
+
+
+def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows [n, in] @ weight.T + bias`` from the packed weight; ``n`` should be at most ``MAX_ROWS``."""
+    return extension().linear(rows, packed, out_features, None if bias is None else bias.detach())

@@ -1,0 +1,121 @@
+"""selfspec.skinny: the skinny-GEMM kernel computes F.linear for every shape it takes, and decoding on it stays
+lossless. The kernel is compiled once per machine (first use, about a minute); these tests share one xdist group so
+that one worker builds it while the other goes on with the rest of the suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec import skinny
+from selfspec.identity import base_model_identity
+from selfspec.kernels import linear_backend_of, set_linear_backend
+from selfspec.testing import assert_random_trees_decode_losslessly, tiny_model
+
+pytestmark = pytest.mark.xdist_group("skinny")
+
+
+@pytest.fixture(scope="module")
+def built():
+    assert skinny.available(), f"the skinny kernel did not build here: {skinny.unavailable_reason()}"
+    return skinny.extension()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 31, 32])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (100, 24), (320, 5)])
+def test_kernel_equals_f_linear(built, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = skinny.pack(weight)
+    assert packed.shape == (-(-out_features // built.lanes()), in_features, built.lanes())
+    torch.testing.assert_close(skinny.linear(x, packed, out_features, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny.linear(x, packed, out_features, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_takes_strided_rows_and_rejects_what_does_not_fit(built):
+    weight = torch.randn(48, 20)
+    x = torch.randn(20, 6).T  # [6, 20], not contiguous
+    assert not x.is_contiguous()
+    packed = skinny.pack(weight)
+    torch.testing.assert_close(skinny.linear(x, packed, 48, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        skinny.linear(torch.randn(3, 21), packed, 48, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny.pack(weight.double())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+def test_skinny_backend_matches_stock_and_decoding_stays_lossless(built, arch, monkeypatch):
+    calls = []
+    kernel = skinny.linear
+    monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    model = tiny_model(arch, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        stock = model(ids).logits
+        identity = base_model_identity(model)
+        assert set_linear_backend(model, "skinny") == "skinny"
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(calls) == linears  # every nn.Linear ran on the kernel (GPT-2's Conv1D layers are not nn.Linear)
+    assert base_model_identity(model) == identity  # parameters untouched
+    assert_random_trees_decode_losslessly(model)
+
+
+def test_many_rows_and_training_take_the_stock_path(built, monkeypatch):
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    calls = []
+    kernel = skinny.linear
+    monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    layer = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        big = torch.randn(skinny.MAX_ROWS + 1, layer.in_features)
+        assert torch.equal(layer(big), torch.nn.functional.linear(big, layer.weight, layer.bias))
+        assert calls == []
+        small = torch.randn(2, 3, layer.in_features)  # 6 rows: the kernel, and the leading shape comes back
+        assert layer(small).shape == (2, 3, layer.out_features) and calls == [6]
+    y = layer(torch.randn(2, layer.in_features))  # gradients on: stock and differentiable
+    y.sum().backward()
+    assert layer.weight.grad is not None and calls == [6]
+
+
+def test_switching_backends_keeps_the_packed_weights_and_repacks_a_changed_one(built):
+    model = tiny_model("llama", dtype=torch.float32)
+    layer = model.model.layers[0].self_attn.q_proj
+    set_linear_backend(model, "skinny")
+    first = layer.forward
+    x = torch.randn(4, layer.in_features)
+    with torch.no_grad():
+        before = layer(x)
+        set_linear_backend(model, "stock")
+        assert "forward" not in layer.__dict__ and linear_backend_of(model) == "stock"
+        set_linear_backend(model, "skinny")
+        assert layer.forward is first  # the same kernel object: nothing was repacked
+        layer.weight.mul_(2.0)  # in place, as an adapter merge does: the packed copy is stale now
+        torch.testing.assert_close(layer(x), 2 * before, rtol=1e-4, atol=1e-5)
+
+
+def test_a_machine_that_cannot_build_it_gets_a_clear_error_and_auto_still_works(monkeypatch):
+    monkeypatch.setattr(skinny, "_module", None)
+    monkeypatch.setattr(skinny, "_error", None)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    monkeypatch.setattr(skinny, "_build", no_compiler)
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match="skinny kernel is not available here.*g\\+\\+: command not found.*ninja"):
+        set_linear_backend(model, "skinny")
+    assert set_linear_backend(model, "auto") in ("stock", "onednn")
+
+
+def test_build_key_follows_the_cpu_and_the_source(monkeypatch):
+    key = skinny.build_key()
+    assert key == skinny.build_key()
+    monkeypatch.setattr(skinny, "_cpu_flags", lambda: "flags : sse2")
+    assert skinny.build_key() != key  # -march=native code is never reused on another CPU
