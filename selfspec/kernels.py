@@ -9,7 +9,7 @@ these shapes, so the backend decides whether a 4-node tree costs 1.5x or 1.1x on
 ``set_linear_backend(model, "onednn")`` makes every float32 ``nn.Linear`` of ``model`` run through oneDNN
 (``torch._C._nn.mkldnn_linear``) when gradients are off; training, other dtypes and other devices keep the stock
 path. ``"skinny"`` runs them through this project's own kernel (``selfspec.skinny``, compiled for the CPU on first
-use): register-blocked for 1 to 32 rows, it streams each weight once per call and keeps every loaded weight vector
+use): register-blocked for 1 to 24 rows, it streams each weight once per call and keeps every loaded weight vector
 busy for all rows, so a step of 8 tokens costs about what one token does. Calls with more rows (prefill) take the
 stock path. The parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each
 layer keeps a packed copy of its weight, repacked when the parameter changes. ``"auto"`` times a short forward

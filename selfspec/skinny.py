@@ -1,4 +1,4 @@
-"""The skinny-GEMM kernel (``selfspec/csrc/skinny_linear.cpp``): float32 linear layers for the 1 to ~32 rows of a
+"""The skinny-GEMM kernel (``selfspec/csrc/skinny_linear.cpp``): float32 linear layers for the 1 to ~24 rows of a
 decode step, compiled for this CPU on first use.
 
 The extension is built with PyTorch's ``cpp_extension`` (a C++ compiler and ``ninja`` are needed) into
@@ -22,7 +22,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
 #: Above this many rows a call goes to PyTorch's own GEMM, which is good at large shapes (prefill, training).
-MAX_ROWS = 32
+MAX_ROWS = 24
 
 _lock = threading.Lock()
 _module = None

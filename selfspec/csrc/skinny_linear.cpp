@@ -1,4 +1,4 @@
-// Skinny float32 GEMM for decoding: y[n, M] = x[n, K] @ W[M, K]^T + b, for the 1 to ~32 rows of a decode step or a
+// Skinny float32 GEMM for decoding: y[n, M] = x[n, K] @ W[M, K]^T + b, for the 1 to ~24 rows of a decode step or a
 // draft tree, against a weight repacked once into column panels.
 //
 // Why: a decode step multiplies every weight matrix by a handful of rows. That is memory-bound for one row and
