@@ -396,17 +396,19 @@ def test_sampling_and_streaming(tiny_llama64):
 
 # --- demo -----------------------------------------------------------------------------------------------------
 
-def test_demo_on_a_tiny_model(tmp_path, capsys):
+@pytest.mark.parametrize("lookup", [True, False])
+def test_demo_on_a_tiny_model(tmp_path, capsys, lookup):
     from selfspec.cli import main
     from selfspec.training import load_base_model
 
     model, _ = load_base_model("tiny:llama")
     randomize(MedusaHeads.for_model(model, num_heads=2), scale=0.05).save_pretrained(tmp_path / "h")
     rc = main(["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "h"), "--max-new-tokens", "12",
-               "--threads", "1", "--tree", "8"])
+               "--threads", "1", "--tree", "8"] + ([] if lookup else ["--no-lookup"]))
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "texts identical: yes" in out and "tokens/s" in out and "tree of 8 nodes" in out
+    assert ("merged with prompt lookup" in out) == lookup and ("with Medusa heads + lookup" in out) == lookup
 
 
 def test_demo_errors(tmp_path, capsys):

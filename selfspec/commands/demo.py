@@ -1,5 +1,6 @@
-"""``selfspec demo``: answer a sample prompt with and without Medusa heads; print tokens/s, tau, and whether the
-two answers are identical (greedy decoding is lossless, so they must be)."""
+"""``selfspec demo``: answer a sample prompt with and without Medusa heads (merged with prompt lookup into one tree,
+unless ``--no-lookup``); print tokens/s, tau, and whether the two answers are identical (greedy decoding is
+lossless, so they must be)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from .bench import add_backend_argument
 
 #: Where the committed heads for the embedded default model live, relative to the repository root.
-DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa"
+#: The sequential (Hydra-style) heads: the best committed drafter (docs/RESULTS.md).
+DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa-seq"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SAMPLE_PROMPT = "Explain in a few sentences why the sky is blue."
 #: New tokens of the untimed warm-up run of each method (first calls pay for lazy init and allocator growth).
@@ -20,7 +22,7 @@ WARMUP_TOKENS = 8
 
 
 def default_heads_dir() -> Path:
-    """``heads/smollm2-135m-instruct-medusa`` in the working directory, else in the repository of this package."""
+    """``DEFAULT_HEADS`` in the working directory, else in the repository of this package."""
     here = DEFAULT_HEADS
     if here.is_dir():
         return here
@@ -39,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--tree", help="draft tree: a size (8, 16, 32...), a JSON list of choices, or a JSON file "
                                   "(default: the tree saved with the heads)")
     p.add_argument("--dynamic", type=int, help="keep only the N most confident nodes of the tree at every step")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="draft with the heads alone (default: heads and prompt lookup merged into one tree)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     add_backend_argument(p)
     p.set_defaults(func=run)
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     """
     import decoding
     import medusa
+    from decoding.lookup import LookupDrafter, combine
     from selfspec.prompts import encode_prompt
     from selfspec.adapters import adapter_spec
     from selfspec.kernels import set_linear_backend
@@ -81,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_base_model(args.model)
     model.eval()
     backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
-    drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on heads for another model
+    heads_drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on wrong heads
+    drafter = combine(heads_drafter, LookupDrafter()) if args.lookup else heads_drafter
     input_ids = encode_prompt(tokenizer, args.prompt)
     eos = tokenizer.eos_token_id
-    print(f"model {args.model}, heads {heads_dir} ({drafter.heads.config.num_heads} heads, "
-          f"tree of {len(drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}), {input_ids.shape[1]} prompt tokens, {args.threads} threads, linear backend {backend}")
+    print(f"model {args.model}, heads {heads_dir} ({heads_drafter.heads.config.num_heads} heads, "
+          f"tree of {len(heads_drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}"
+          f"{', merged with prompt lookup' if args.lookup else ''}), {input_ids.shape[1]} prompt tokens, "
+          f"{args.threads} threads, linear backend {backend}")
     print(f"prompt: {args.prompt}\n")
 
     with torch.inference_mode():
@@ -101,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
     text = tokenizer.decode(out.sequences[0, prompt_length:], skip_special_tokens=True)
     identical = out.sequences.tolist() == reference.tolist()
     print(f"answer: {text.strip()}\n")
-    print(f"{'method':<22} {'tokens':>6} {'tokens/s':>9} {'tau':>5}")
-    print(f"{'without heads (HF)':<22} {baseline_tokens:>6} {baseline_speed:>9.1f} {1.0:>5.2f}")
-    print(f"{'with Medusa heads':<22} {stats.new_tokens:>6} {stats.tokens_per_s:>9.1f} {stats.tau:>5.2f}")
+    print(f"{'method':<27} {'tokens':>6} {'tokens/s':>9} {'tau':>5}")
+    print(f"{'without heads (HF)':<27} {baseline_tokens:>6} {baseline_speed:>9.1f} {1.0:>5.2f}")
+    print(f"{'with Medusa heads' + (' + lookup' if args.lookup else ''):<27} {stats.new_tokens:>6} {stats.tokens_per_s:>9.1f} {stats.tau:>5.2f}")
     speedup = stats.tokens_per_s / baseline_speed if baseline_speed > 0 else float("nan")
     print(f"speedup {speedup:.2f}x; texts identical: {'yes' if identical else 'NO'}")
     if not identical:
