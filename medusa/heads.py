@@ -34,6 +34,7 @@ from torch import nn
 from selfspec.adapters import copy_backbone_adapter, resolve_backbone
 from selfspec.identity import base_model_identity
 from selfspec.io import atomic_directory
+from selfspec.kernels import module_backend, set_module_backend
 
 from .card import render_readme
 from .config import CONFIG_NAME, MedusaConfig
@@ -112,7 +113,7 @@ class MedusaHeads(nn.Module):
         else:
             self.draft_vocab = None
         self._draft_weight: torch.Tensor | None = None
-        self._draft_packed: torch.Tensor | None = None  # the skinny kernel's layout of _draft_weight, when used
+        self._draft_head: nn.Linear | None = None  # _draft_weight as a layer, when it runs on the skinny kernel
 
     @property
     def num_heads(self) -> int:
@@ -215,7 +216,7 @@ class MedusaHeads(nn.Module):
         if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary: ids must be in 0..{self.config.vocab_size - 1}")
         self.draft_vocab.copy_(token_ids)
-        self._draft_weight = self._draft_packed = None
+        self._draft_weight = self._draft_head = None
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[k, ..., hidden]`` head features -> ``[k, ..., draft_vocab_size]`` logits over the draft vocabulary
@@ -226,15 +227,17 @@ class MedusaHeads(nn.Module):
         if self._draft_weight is None or self._draft_weight.device != features.device:
             # Gathered once: slicing the rows every step would cost as much as the product it saves.
             self._draft_weight = head.weight.detach()[self.draft_vocab].contiguous()
-            self._draft_packed = None
+            self._draft_head = None
         flat = features.reshape(-1, features.shape[-1]).to(self._draft_weight.dtype)
         bias = getattr(head, "bias", None)
         bias = None if bias is None else bias[self.draft_vocab]
-        if self._use_skinny(flat):
-            from selfspec import skinny
-            if self._draft_packed is None:
-                self._draft_packed = skinny.pack(self._draft_weight)
-            out = skinny.linear(flat, self._draft_packed, self._draft_weight.shape[0], bias)
+        if module_backend(head) == "skinny":
+            # The base's LM head runs on the skinny kernel: its draft slice is the same few-row product, so it
+            # runs there too, through the same per-layer mechanism (repacking, fallbacks for grad and many rows).
+            if self._draft_head is None:
+                self._draft_head = _linear_of(self._draft_weight, bias)
+            set_module_backend(self._draft_head, "skinny")
+            out = self._draft_head(flat)
         else:
             # weight @ x.T: for the few rows of a draft this GEMM shape is fast with every CPU BLAS (x @ weight.T is
             # not, for 2-3 rows); the drafter's rounding never affects what verification accepts.
@@ -242,14 +245,6 @@ class MedusaHeads(nn.Module):
             if bias is not None:
                 out = out + bias
         return out.reshape(*features.shape[:-1], -1)
-
-    def _use_skinny(self, rows: torch.Tensor) -> bool:
-        """Draft with the skinny kernel when the base's LM head runs on it (``selfspec.kernels``): drafting is the
-        same few-row product against a slice of that head."""
-        from selfspec import skinny
-        from selfspec.kernels import module_backend
-        return (not torch.is_grad_enabled() and rows.dtype == torch.float32 and rows.device.type == "cpu"
-                and rows.shape[0] <= skinny.MAX_ROWS and module_backend(self.shared_lm_head) == "skinny")
 
     def head_draft_logits(self, features: torch.Tensor, head: int) -> torch.Tensor:
         """``[rows, hidden]`` outputs of one head -> ``[rows, draft vocab or vocab]`` logits through that head's
@@ -366,6 +361,15 @@ def _shared_inputs(model: nn.Module, config: MedusaConfig) -> tuple[nn.Module | 
     from selfspec.attention import rotary_of
     embeddings = model.get_input_embeddings() if config.sequential or config.prefix_attention else None
     return embeddings, rotary_of(model) if config.prefix_attention else None
+
+
+def _linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A frozen ``nn.Linear`` around ``weight`` ``[out, in]`` (and ``bias``), sharing their storage."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module:

@@ -72,7 +72,7 @@ class _PackedLinear:
 
     def _packed(self):
         weight, bias = self.module.weight, self.module.bias
-        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
+        key = (weight.data_ptr(), _version(weight), None if bias is None else (bias.data_ptr(), _version(bias)))
         if key != self._key:  # first call, or the parameter was replaced or changed in place: repack
             with torch.no_grad():
                 self._weight, self._bias = self._pack(weight.detach(), None if bias is None else bias.detach())
@@ -123,6 +123,12 @@ class _SkinnyLinear(_PackedLinear):
 _KERNELS = {"onednn": _OneDNNLinear, "skinny": _SkinnyLinear}
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """In-place change counter; inference tensors (made under ``torch.inference_mode``) keep none, so a layer built
+    from them is packed once."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def skinny_available() -> bool:
     """The skinny kernel builds (or is built) on this machine (``selfspec.skinny``)."""
     from . import skinny
@@ -165,16 +171,22 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
         backend = _choose(model)
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            current = module.__dict__.get("forward")
-            if isinstance(current, _PackedLinear) and current.backend != backend:
-                del module.forward  # back to nn.Linear.forward
-                current = None
-            if backend in _KERNELS and current is None:
-                # One kernel object per layer and backend, kept: switching back and forth does not repack.
-                kernels = module.__dict__.setdefault(_KERNEL_CACHE, {})
-                module.forward = kernels.setdefault(backend, _KERNELS[backend](module))
+            set_module_backend(module, backend)
     setattr(model, _STATE, backend)
     return backend
+
+
+def set_module_backend(module: nn.Linear, backend: str) -> None:
+    """Run one linear layer on ``backend`` (``stock``, ``onednn`` or ``skinny``; no availability check: see
+    ``set_linear_backend``)."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _PackedLinear) and current.backend != backend:
+        del module.forward  # back to nn.Linear.forward
+        current = None
+    if backend in _KERNELS and current is None:
+        # One kernel object per layer and backend, kept: switching back and forth does not repack.
+        kernels = module.__dict__.setdefault(_KERNEL_CACHE, {})
+        module.forward = kernels.setdefault(backend, _KERNELS[backend](module))
 
 
 @contextlib.contextmanager

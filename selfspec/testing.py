@@ -61,3 +61,23 @@ def assert_random_trees_decode_losslessly(model, seeds_and_lengths=((1, 3), (2, 
         out = decoding.generate(model, drafter, prompt, max_new_tokens=max_new_tokens, eos_token_id=None)
         assert out.sequences.tolist() == expected.tolist(), f"tree decoding diverged (seed {seed}, length {length})"
         assert out.stats.tau > 1.5, f"too few drafts accepted to exercise verification (tau {out.stats.tau:.2f})"
+
+
+def assert_linear_backend_is_exact_and_lossless(model, backend: str, kernel_calls: list) -> None:
+    """Put ``model`` (on the stock path) on linear ``backend`` and check: logits equal stock's (float32 rounding
+    aside), every ``nn.Linear`` of the forward went through the kernel (``kernel_calls`` collects one entry per call,
+    by a patch the caller set up), the parameters are untouched, and tree decoding stays lossless."""
+    from selfspec.identity import base_model_identity
+    from selfspec.kernels import set_linear_backend
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        stock = model(ids).logits
+        identity = base_model_identity(model)
+        assert set_linear_backend(model, backend) == backend
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(kernel_calls) == linears, f"{len(kernel_calls)} of {linears} linear layers ran on {backend}"
+    assert base_model_identity(model) == identity  # parameters untouched: heads still recognise the model
+    assert_random_trees_decode_losslessly(model)

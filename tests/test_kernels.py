@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.identity import base_model_identity
 from selfspec.kernels import linear_backend, linear_backend_of, onednn_available, set_linear_backend
-from selfspec.testing import assert_random_trees_decode_losslessly, tiny_model
+from selfspec.testing import assert_linear_backend_is_exact_and_lossless, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 
@@ -22,18 +21,7 @@ def test_onednn_logits_match_stock_and_decoding_stays_lossless(arch, monkeypatch
     calls = []
     kernel = K.onednn_linear
     monkeypatch.setattr(K, "onednn_linear", lambda *a: calls.append(1) or kernel(*a))
-    model = tiny_model(arch, dtype=torch.float32)
-    ids = _prompt(model.config.vocab_size, 12, 0)
-    with torch.inference_mode():
-        stock = model(ids).logits
-        identity = base_model_identity(model)
-        assert set_linear_backend(model, "onednn") == "onednn"
-        fast = model(ids).logits
-    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert len(calls) == linears  # every linear layer of the forward ran on oneDNN
-    assert base_model_identity(model) == identity  # parameters untouched: heads still recognise the model
-    assert_random_trees_decode_losslessly(model)
+    assert_linear_backend_is_exact_and_lossless(tiny_model(arch, dtype=torch.float32), "onednn", calls)
 
 
 def test_training_and_other_dtypes_keep_the_stock_path():

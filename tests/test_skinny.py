@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from selfspec import skinny
-from selfspec.identity import base_model_identity
 from selfspec.kernels import linear_backend_of, set_linear_backend
-from selfspec.testing import assert_random_trees_decode_losslessly, tiny_model
+from selfspec.testing import assert_linear_backend_is_exact_and_lossless, tiny_model
 
 pytestmark = pytest.mark.xdist_group("skinny")
 
@@ -52,18 +51,8 @@ def test_skinny_backend_matches_stock_and_decoding_stays_lossless(built, arch, m
     calls = []
     kernel = skinny.linear
     monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    model = tiny_model(arch, dtype=torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        stock = model(ids).logits
-        identity = base_model_identity(model)
-        assert set_linear_backend(model, "skinny") == "skinny"
-        fast = model(ids).logits
-    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert len(calls) == linears  # every nn.Linear ran on the kernel (GPT-2's Conv1D layers are not nn.Linear)
-    assert base_model_identity(model) == identity  # parameters untouched
-    assert_random_trees_decode_losslessly(model)
+    # GPT-2's Conv1D layers are not nn.Linear: only its LM head runs on the kernel.
+    assert_linear_backend_is_exact_and_lossless(tiny_model(arch, dtype=torch.float32), "skinny", calls)
 
 
 def test_many_rows_and_training_take_the_stock_path(built, monkeypatch):
@@ -119,3 +108,22 @@ def test_build_key_follows_the_cpu_and_the_source(monkeypatch):
     assert key == skinny.build_key()
     monkeypatch.setattr(skinny, "_cpu_flags", lambda: "flags : sse2")
     assert skinny.build_key() != key  # -march=native code is never reused on another CPU
+
+
+def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built, monkeypatch):
+    from medusa import MedusaHeads
+
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = MedusaHeads.for_model(model, num_heads=2, draft_vocab_size=40)
+    heads.set_draft_vocab(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40])
+    features = torch.randn(2, 1, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        stock = heads.draft_logits(features)
+        calls = []
+        kernel = skinny.linear
+        monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+        set_linear_backend(model, "skinny")
+        fast = heads.draft_logits(features)
+    assert calls == [6]  # one call for both heads' 3 rows, against the 40-token slice of the LM head
+    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
+    assert fast.shape == (2, 1, 3, 40)
