@@ -1,14 +1,18 @@
-"""Tree-based speculative decoding for any Hugging Face causal LM, shared by every drafter."""
+"""Tree-based speculative decoding for any Hugging Face causal LM, shared by every drafter.
 
-from .drafter import (DecodeState, Drafter, DrafterBase, EmptyDrafter, SamplingParams, available_drafters,
-                      make_drafter, register_drafter)
-from .generate import GenerateOutput, GenerationStats, generate
-from .lookup import CombinedDrafter, LookupDrafter, combine, merge_trees
-from .tree import DraftTree, TreeTemplate
-from .verify import Verdict
+``decoding`` names no drafter: drafters register under the entry-point group ``selfspec.drafters``
+(``decoding.registry``) and are built by name with ``make_drafter``.
+"""
+
+from decoding.combine import CombinedDrafter, combine, merge_trees
+from decoding.drafter import ContextDrafter, DecodeState, Drafter, DrafterBase, EmptyDrafter, SamplingParams
+from decoding.generate import GenerateOutput, GenerationStats, generate
+from decoding.registry import available_drafters, make_drafter, register_drafter
+from decoding.tree import DraftTree, TreeTemplate
+from decoding.verify import Verdict
 
 __all__ = [
-    "CombinedDrafter", "DecodeState", "Drafter", "DrafterBase", "LookupDrafter", "DraftTree", "EmptyDrafter", "GenerateOutput", "GenerationStats",
-    "SamplingParams", "TreeTemplate", "Verdict", "available_drafters", "combine", "generate", "make_drafter",
-    "merge_trees", "register_drafter",
+    "CombinedDrafter", "ContextDrafter", "DecodeState", "Drafter", "DrafterBase", "DraftTree", "EmptyDrafter",
+    "GenerateOutput", "GenerationStats", "SamplingParams", "TreeTemplate", "Verdict", "available_drafters",
+    "combine", "generate", "make_drafter", "merge_trees", "register_drafter",
 ]

@@ -1,4 +1,4 @@
-"""The drafter interface every draft method implements, and the registry the CLI and benchmark read.
+"""The drafter interface every draft method implements (the registry that finds them by name: ``decoding.registry``).
 
 A drafter never runs the verification itself. The decode loop calls, in order::
 
@@ -15,11 +15,11 @@ that predicted the current root, which is all Medusa heads need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .tree import DraftTree
+from decoding.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,56 @@ class DrafterBase:
         pass
 
 
+class ContextDrafter(DrafterBase):
+    """Base of drafters that keep a KV cache of their own over the verified positions (Medusa's prefix attention,
+    Kangaroo's attention adapter), fed with the base model's hidden states at ``context_layer`` of every token the
+    decode loop accepts: ``begin`` starts it from the prompt, ``observe`` appends each step's accepted tokens.
+
+    Subclasses set ``context_cache`` (``length``, ``reset()``; None: the drafter keeps no context, and ``begin`` and
+    ``observe`` do nothing), list ``context_layer`` in ``hidden_layers`` and implement ``extend_context``.
+    """
+
+    context_layer: int = -1
+    context_cache: Any = None
+
+    def begin(self, state: DecodeState) -> None:
+        if self.context_cache is not None:
+            self.context_cache.reset()
+            self._feed(state)
+
+    def observe(self, state: DecodeState) -> None:
+        if self.context_cache is not None:
+            self._feed(state)
+
+    def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append the positions ``positions`` ``[1, m]`` with base hidden states ``hidden`` ``[1, m, hidden]`` to
+        ``context_cache`` (called without autograd)."""
+        raise NotImplementedError
+
+    def check_context(self, state: DecodeState) -> None:
+        """Raises: RuntimeError: the context cache does not hold exactly the base cache's positions (``begin``
+        was not called after the prefill)."""
+        if self.context_cache.length != state.cache_length:
+            raise RuntimeError(f"{type(self).__name__}: its context cache holds {self.context_cache.length} "
+                               f"positions but the base cache {state.cache_length}: call begin(state) after the "
+                               "prefill (decoding.generate does)")
+
+    def _feed(self, state: DecodeState) -> None:
+        """Raises: RuntimeError: no hidden states of ``context_layer`` in ``state``, or they do not line up with
+        the base cache."""
+        hidden = state.hidden.get(self.context_layer)
+        if hidden is None:
+            raise RuntimeError(f"{type(self).__name__} needs the layer-{self.context_layer} hidden states of "
+                               "accepted tokens (DecodeState.hidden); run it through decoding.generate")
+        start, new = self.context_cache.length, hidden.shape[1]
+        if start + new != state.cache_length:
+            raise RuntimeError(f"{type(self).__name__}: context cache out of step: {start} + {new} new positions, "
+                               f"but the base cache holds {state.cache_length}; call begin(state) after the prefill")
+        positions = torch.arange(start, start + new, device=hidden.device)[None]
+        with torch.no_grad():
+            self.extend_context(state, hidden, positions)
+
+
 class EmptyDrafter(DrafterBase):
     """Proposes nothing: the loop degenerates to plain decoding (one token per base forward)."""
 
@@ -96,73 +146,12 @@ class EmptyDrafter(DrafterBase):
         return None
 
 
-# name -> factory(model, heads_dir or None, **options) -> Drafter
-DrafterFactory = Callable[..., Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a drafter factory under ``name`` for ``selfspec generate --draft NAME`` and the benchmark."""
-
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def _load_builtin_drafters() -> None:
-    # Drafter packages register themselves on import; decoding itself never depends on them.
-    import importlib
-
-    for module in ("medusa", "early_exit"):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
-
-
-def available_drafters() -> list[str]:
-    _load_builtin_drafters()
-    return sorted(_REGISTRY)
-
-
-def make_drafter(name: str, model: Any, heads: str | None = None, **options: Any) -> Drafter:
-    """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.lookup.combine``).
-
-    In a combination, ``heads`` and the unprefixed ``options`` go to the first drafter; ``"b.key"`` options go to
-    drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR, **{"lookup.num_tokens": 6})``).
+def make_empty_drafter(model: Any, heads_dir: str | None = None, **options: Any) -> EmptyDrafter:
+    """Registry factory of ``--draft none`` (plain decoding through the tree loop).
 
     Raises:
-        KeyError: unknown drafter name (the message lists the known ones).
+        ValueError: a heads directory or an option (the empty drafter takes none).
     """
-    _load_builtin_drafters()
-    if "+" in name:
-        parts = name.split("+")
-        return make_combined([(part, heads if i == 0 else None) for i, part in enumerate(parts)], model, options)
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](model, heads, **options)
-
-
-def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:
-    """Drafters ``[(name, heads), ...]`` combined into one tree; see ``make_drafter`` for how options are routed.
-
-    Raises:
-        KeyError: an unknown drafter name. ValueError: a prefixed option for a drafter not in ``parts``.
-    """
-    from .lookup import combine
-
-    names = [n for n, _ in parts]
-    routed: dict[str, dict[str, Any]] = {n: {} for n in names}
-    for key, value in options.items():
-        target, dot, option = key.partition(".")
-        if not dot:
-            target, option = names[0], key
-        if target not in routed:
-            raise ValueError(f"option {key!r} is for drafter {target!r}, which is not among {names}")
-        routed[target][option] = value
-    return combine(*[make_drafter(n, model, h, **routed[n]) for n, h in parts])
-
-
-register_drafter("none")(lambda model, heads=None, **_: EmptyDrafter())
+    if heads_dir is not None or options:
+        raise ValueError("the 'none' drafter takes no heads directory and no options")
+    return EmptyDrafter()

@@ -13,11 +13,10 @@ from typing import Any, Iterable
 
 import torch
 
-from . import cache as kv
-from . import verify
-from .drafter import DecodeState, Drafter, EmptyDrafter, SamplingParams
-from .tree import DraftTree
-
+from decoding import verify
+from decoding.drafter import DecodeState, Drafter, EmptyDrafter, SamplingParams
+from decoding.tree import DraftTree
+from selfspec.runtime import cache as kv
 
 # Cache entries preallocated beyond prompt + max_new_tokens, for the tree of the last step (more grows the buffer).
 _TREE_SLACK = 128

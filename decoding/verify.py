@@ -26,8 +26,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .drafter import SamplingParams
-from .tree import DraftTree
+from decoding.drafter import SamplingParams
+from decoding.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from selfspec.attention import LayerCache, apply_rotary, causal_mask
+from selfspec.runtime.attention import LayerCache, apply_rotary, causal_mask
 
 ADAPTER_KINDS = ("resblock", "attention")
 
@@ -32,7 +32,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-#: The attention adapter's one-layer KV cache (``selfspec.attention.LayerCache``).
+#: The attention adapter's one-layer KV cache (``selfspec.runtime.attention.LayerCache``).
 AdapterCache = LayerCache
 
 

@@ -8,7 +8,7 @@ training-free classifier. An optional reduced draft vocabulary scores only the L
 tokens, which cuts the dominant cost of a shallow draft on CPU; token ids are mapped back to the full vocabulary.
 
 A classifier trained together with a LoRA adapter on the backbone (LayerSkip fine-tuning, ``method: layerskip``)
-carries that adapter in ``backbone_adapter/`` and belongs to the adapted model (``selfspec.adapters``).
+carries that adapter in ``backbone_adapter/`` and belongs to the adapted model (``selfspec.runtime.adapters``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, ResBlock
-from .layers import check_supported, num_layers
+from early_exit.adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, ResBlock
+from early_exit.layers import check_supported, num_layers
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -43,10 +43,10 @@ class ExitClassifierConfig:
         adapter_mlp_size: inner size of a SwiGLU MLP after the attention adapter's attention (0 = attention only).
         own_norm: train a copy of the base final norm instead of reusing it.
         draft_vocab_size: number of LM-head rows the draft scores (None = the full vocabulary).
-        base_model: identity of the base model the classifier was trained on (see ``selfspec.identity``); with a
+        base_model: identity of the base model the classifier was trained on (see ``selfspec.runtime.identity``); with a
             backbone adapter, the identity of the model before the adapter.
         backbone_adapter: set by LayerSkip fine-tuning: ``{"path", "adapted_model"}`` of the LoRA adapter saved
-            beside the classifier (``selfspec.adapters``); None for a classifier on a frozen base.
+            beside the classifier (``selfspec.runtime.adapters``); None for a classifier on a frozen base.
         metrics: free-form evaluation numbers (top-1 agreement with the full model, ...).
         policy: default draft policy options (``max_depth``, ``threshold``...); callers may override them.
     """
@@ -203,7 +203,7 @@ class ExitClassifier(nn.Module):
         Args:
             model: the base model the classifier reads; its identity is recorded unless ``base_identity`` is given.
             base_identity: the identity to record instead (LayerSkip: the base *before* its adapter was merged).
-            backbone_adapter: a folder written by ``selfspec.adapters.export_backbone_adapter``, copied into
+            backbone_adapter: a folder written by ``selfspec.runtime.adapters.export_backbone_adapter``, copied into
                 ``backbone_adapter/`` in the same atomic write; ``config.backbone_adapter`` must describe it.
 
         Raises:
@@ -212,9 +212,9 @@ class ExitClassifier(nn.Module):
         """
         from safetensors.torch import save_file
 
-        from selfspec.adapters import copy_backbone_adapter
-        from selfspec.identity import base_model_identity
-        from selfspec.io import atomic_directory
+        from selfspec.runtime.adapters import copy_backbone_adapter
+        from selfspec.runtime.identity import base_model_identity
+        from selfspec.runtime.io import atomic_directory
 
         if (backbone_adapter is None) != (self.config.backbone_adapter is None):
             raise ValueError("save_pretrained: pass the adapter folder exactly when config.backbone_adapter is set")
@@ -237,18 +237,18 @@ class ExitClassifier(nn.Module):
         """Load a classifier saved by :meth:`save_pretrained` onto ``model``.
 
         A classifier trained with a backbone adapter (LayerSkip) belongs to the adapted model: ``model`` must be
-        that model (``selfspec.models.load_model(directory)`` loads it), or the plain base with
+        that model (``selfspec.runtime.models.load_model(directory)`` loads it), or the plain base with
         ``merge_adapter=True``, which merges the adapter into ``model`` in place.
 
         Raises:
             FileNotFoundError: ``directory`` lacks config.json, model.safetensors or its backbone adapter.
-            selfspec.identity.BaseModelMismatchError: the classifier was trained for another base model (or for the
+            selfspec.runtime.identity.BaseModelMismatchError: the classifier was trained for another base model (or for the
                 adapted one, and the plain base was given without ``merge_adapter``).
             ValueError: a bad config, or its exit layer does not fit ``model``.
         """
         from safetensors.torch import load_file
 
-        from selfspec.adapters import resolve_backbone
+        from selfspec.runtime.adapters import resolve_backbone
 
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
@@ -303,7 +303,7 @@ def default_readme(config: ExitClassifierConfig) -> str:
              "Use: `selfspec generate --draft early-exit --heads DIR`.", ""]
     if config.backbone_adapter:
         lines += [f"Trained with a LoRA adapter on the backbone, saved in `{config.backbone_adapter.get('path')}/`: "
-                  "it decodes the adapted model, which `selfspec.models.load_model(DIR)` (or `--model DIR`) loads.", ""]
+                  "it decodes the adapted model, which `selfspec.runtime.models.load_model(DIR)` (or `--model DIR`) loads.", ""]
     if config.metrics:
         lines += ["## Metrics", "", "```json", json.dumps(config.metrics, indent=2, sort_keys=True), "```", ""]
     return "\n".join(lines)

@@ -16,11 +16,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from decoding.drafter import DecodeState, DrafterBase
+from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import DraftTree
-
-from .adapter import AdapterCache
-from .layers import additive_mask, crop_layers, run_layers
+from early_exit.adapter import AdapterCache
+from early_exit.layers import additive_mask, crop_layers, run_layers
 
 # hidden [1, q, hidden] -> (logits [1, q, v], column -> token id map [v] or None for the identity)
 DraftHead = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -56,7 +55,7 @@ class DraftPolicy:
         return cls(max_depth=length, top_k=1, width=1, max_nodes=length, threshold=threshold)
 
 
-class PartialForwardDrafter(DrafterBase):
+class PartialForwardDrafter(ContextDrafter):
     """Drafts with base layers ``layer_ids`` and ``head``; the same loop serves early exit and layer skipping."""
 
     def __init__(self, model, layer_ids: Sequence[int], head: DraftHead, policy: DraftPolicy = DraftPolicy()):
@@ -152,44 +151,19 @@ class EarlyExitDrafter(PartialForwardDrafter):
     def __init__(self, model, classifier, policy: DraftPolicy = DraftPolicy()):
         self.classifier = classifier
         self.adapter_cache = AdapterCache() if classifier.needs_context else None
+        self.context_cache, self.context_layer = self.adapter_cache, classifier.exit_layer
         self.hidden_layers = (classifier.exit_layer,) if classifier.needs_context else ()
         super().__init__(model, range(classifier.exit_layer), lambda h: classifier.draft_logits(h, model), policy)
 
-    def begin(self, state: DecodeState) -> None:
-        if self.adapter_cache is not None:
-            self.adapter_cache.reset()
-            self._extend(state)
-
-    def observe(self, state: DecodeState) -> None:
-        if self.adapter_cache is not None:
-            self._extend(state)
-
-    def _extend(self, state: DecodeState) -> None:
-        """Append the adapter KV of the tokens the last forward added to the base cache (``state.hidden``).
-
-        Raises:
-            RuntimeError: the decode loop gave no layer-E states, or they do not line up with the cache.
-        """
-        exit_layer = self.classifier.exit_layer
-        if exit_layer not in state.hidden:
-            raise RuntimeError(f"the attention adapter needs the layer-{exit_layer} hidden states of accepted "
-                               "tokens (DecodeState.hidden); run it through decoding.generate")
-        hidden = state.hidden[exit_layer]  # [1, m, hidden]
-        start = self.adapter_cache.length
-        if start + hidden.shape[1] != state.cache_length:
-            raise RuntimeError(f"adapter cache out of step: {start} + {hidden.shape[1]} new positions, but the base "
-                               f"cache holds {state.cache_length}")
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
-        with torch.no_grad():
-            self.classifier.extend_cache(self.adapter_cache, hidden, self.model, positions)
+    def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """The adapter KV of the tokens the last forward added to the base cache (their layer-E states)."""
+        self.classifier.extend_cache(self.adapter_cache, hidden, self.model, positions)
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree | None:
         if self.adapter_cache is None:
             return super().propose(state)
-        if self.adapter_cache.length != state.cache_length:
-            raise RuntimeError(f"adapter cache holds {self.adapter_cache.length} positions but the base cache "
-                               f"{state.cache_length}: call begin(state) after prefill (decoding.generate does)")
+        self.check_context(state)
         try:
             return super().propose(state)
         finally:
@@ -208,7 +182,7 @@ class LayerSkipDrafter(PartialForwardDrafter):
     """Draft & Verify / SWIFT self-draft: every base layer but ``skip_layers``, then the base norm and LM head."""
 
     def __init__(self, model, skip_layers: Sequence[int], policy: DraftPolicy = DraftPolicy()):
-        from .layer_skip import check_skip_layers
+        from early_exit.layer_skip import check_skip_layers
 
         total = len(model.model.layers)
         check_skip_layers(skip_layers, total)

@@ -46,7 +46,7 @@ class LayerSkipConfig:
     kind: str = KIND
 
     def save(self, directory: str | Path, readme: str | None = None) -> Path:
-        from selfspec.io import atomic_directory
+        from selfspec.runtime.io import atomic_directory
 
         with atomic_directory(directory) as tmp:
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
@@ -59,7 +59,7 @@ class LayerSkipConfig:
             FileNotFoundError: no config.json in ``directory``.
             ValueError: not a layer-skip config, searched on another base model, or layers that do not fit it.
         """
-        from selfspec.identity import check_base_model
+        from selfspec.runtime.identity import check_base_model
 
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
@@ -85,13 +85,13 @@ def search_skip_layers(model, calibration, *, max_depth: int = 6, max_skip: int 
     """Greedy search for the skip set: each round skips the one more layer that scores best, for ``max_skip``
     rounds (default half the layers); the best set of any round wins.
 
-    The score of a set is :func:`early_exit.calibrate.chain_speedup` of its top-1 agreement with the full model
+    The score of a set is :func:`early_exit.estimates.chain_speedup` of its top-1 agreement with the full model
     on ``calibration`` and its relative cost. Rounds go on past a worse score because skipping nothing is a local
     optimum (a perfect draft at full cost scores exactly 1) that single skips rarely beat. ``keep`` lists layers
     never skipped (the first layer: skipping it wrecks every draft). Returns the set (sorted) and the record of
     every round (score, agreement, cost, chain length).
     """
-    from .calibrate import agreement, chain_speedup, relative_cost
+    from early_exit.estimates import agreement, chain_speedup, relative_cost
 
     total = len(model.model.layers)
     head = model.get_output_embeddings()

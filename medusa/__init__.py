@@ -6,14 +6,15 @@ Python API::
     drafter = medusa.load(model, "heads/smollm2-135m-instruct-medusa")
     out = decoding.generate(model, drafter, input_ids, max_new_tokens=128)
 
-Importing this package registers the ``medusa`` drafter (``decoding.make_drafter("medusa", model, heads_dir)``).
+The package registers the ``medusa`` drafter through its entry point (``decoding.make_drafter("medusa", model, heads_dir)``,
+``--draft medusa --heads DIR``). Training: ``medusa.recipe`` (``accelerate launch train/medusa.py --config ...``).
 """
 
-from .config import MedusaConfig
-from .drafter import MedusaDrafter, load, resolve_tree
-from .dynamic import DynamicTreeSelector
-from .heads import MedusaHeads
-from .trees import default_tree, expected_accept_length
+from medusa.config import MedusaConfig
+from medusa.drafter import MedusaDrafter, load, resolve_tree
+from medusa.dynamic import DynamicTreeSelector
+from medusa.heads import MedusaHeads
+from medusa.trees import default_tree, expected_accept_length
 
 __all__ = ["DynamicTreeSelector", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "default_tree", "expected_accept_length", "load",
            "resolve_tree"]

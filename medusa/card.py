@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .config import MedusaConfig
+from medusa.config import MedusaConfig
 
 
 def _accuracy_table(head_accuracy: list[list[float]]) -> list[str]:
@@ -53,7 +53,7 @@ def render_readme(config: MedusaConfig) -> str:
     if config.backbone_adapter:
         lines += ["These heads were trained with Medusa-2: the backbone carries the LoRA adapter in "
                   f"`{config.backbone_adapter.get('path')}/`. They decode the adapted model, which "
-                  "`selfspec.models.load_model(HEADS_DIR)` loads (base + merged adapter); "
+                  "`selfspec.runtime.models.load_model(HEADS_DIR)` loads (base + merged adapter); "
                   "`medusa.load(base, HEADS_DIR, merge_adapter=True)` merges it into a loaded base in place.", ""]
     if command:
         lines += ["## Made with", "", "```sh", str(command), "```", ""]

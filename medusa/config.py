@@ -26,7 +26,7 @@ class MedusaConfig:
             a private copy, which is trained and saved (vocab x hidden parameters per head).
         hidden_size: the base model's hidden size (input and output width of every ResBlock).
         vocab_size: rows of the base model's LM head.
-        base_model: identity of the base model the heads were trained on (``selfspec.identity``).
+        base_model: identity of the base model the heads were trained on (``selfspec.runtime.identity``).
         tree: default draft tree in Medusa's choices format (``[[0], [0, 0], [1], ...]``), or ``None``.
         head_accuracy: ``[num_heads][top_k]``: P(the rank-``r`` candidate of head ``k`` is the target token), measured
             on held-out data. Not cumulative: the top-5 accuracy of head ``k`` is ``sum(head_accuracy[k][:5])``.
@@ -47,7 +47,7 @@ class MedusaConfig:
             "width": W, "top_k": K}`` verifies the ``N`` most probable nodes per step (sequential heads grow them;
             parallel heads pick them from ``tree``). ``None``: the static ``tree``.
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
-            model (``selfspec.adapters``); the heads decode that model, not the plain ``base_model``.
+            model (``selfspec.runtime.adapters``); the heads decode that model, not the plain ``base_model``.
 
     Raises:
         ValueError: ``num_heads`` or ``num_layers`` below 1, a negative size, or ``head_accuracy`` / ``tree`` that

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.attention import LayerCache, apply_rotary, causal_mask
+from selfspec.runtime.attention import LayerCache, apply_rotary, causal_mask
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +85,7 @@ class PrefixAttention(nn.Module):
         ``[b, q, hidden]`` states for the heads.
 
         Args:
-            rotary: the base model's rotary embedding (``selfspec.attention.rotary_of``); None: no positions
+            rotary: the base model's rotary embedding (``selfspec.runtime.attention.rotary_of``); None: no positions
                 beyond the causal order.
             position_ids: ``[b, q]`` absolute positions (default: right after what ``cache`` holds).
             cache: earlier positions' keys and values (decode time); the new ones are appended. Without a cache

@@ -19,13 +19,12 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
-from decoding.drafter import DecodeState, DrafterBase, register_drafter
+from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import ROOT, DraftTree, TreeTemplate
-from selfspec.attention import LayerCache
-
-from .dynamic import DynamicTreeSelector, SequentialBeam
-from .heads import MedusaHeads
-from .trees import DEFAULT_TREE_SIZE, default_tree
+from medusa.dynamic import DynamicTreeSelector, SequentialBeam
+from medusa.heads import MedusaHeads
+from medusa.trees import DEFAULT_TREE_SIZE, default_tree
+from selfspec.runtime.attention import LayerCache
 
 #: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
 #: a size, a JSON list of choices, or the path of a JSON file with one.
@@ -112,7 +111,7 @@ class SequentialPlan:
         return template.with_tokens(tokens)
 
 
-class MedusaDrafter(DrafterBase):
+class MedusaDrafter(ContextDrafter):
     """Drafts a tree from Medusa heads: depth ``d`` holds head ``d - 1``'s top-k tokens.
 
     Args:
@@ -155,29 +154,12 @@ class MedusaDrafter(DrafterBase):
         self.context_cache = LayerCache() if heads.prefix is not None else None
         self._start: torch.Tensor | None = None
 
-    def begin(self, state: DecodeState) -> None:
-        if self.context_cache is not None:
-            self.context_cache.reset()
-            self._extend(state)
-
-    def observe(self, state: DecodeState) -> None:
-        if self.context_cache is not None:
-            self._extend(state)
-
-    def _extend(self, state: DecodeState) -> None:
-        """Run the prefix attention over the positions the last forward added to the base cache (``state.hidden``);
-        each one's next token is in ``state.sequence`` by now (the last one's is the root)."""
-        hidden = state.hidden.get(-1)
-        if hidden is None:
-            raise RuntimeError("MedusaDrafter needs the last hidden state (hidden_layers=(-1,)) in DecodeState.hidden")
-        start, new = self.context_cache.length, hidden.shape[1]
-        if start + new != state.cache_length:
-            raise RuntimeError(f"prefix-attention cache out of step: {start} + {new} positions, but the base cache "
-                               f"holds {state.cache_length}; call begin() after the prefill")
+    def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Run the prefix attention over the positions the last forward added to the base cache; each one's next
+        token is in ``state.sequence`` by now (the last one's is the root)."""
+        start, new = int(positions[0, 0]), positions.shape[1]
         next_tokens = state.sequence[:, start + 1:start + new + 1].to(hidden.device)
-        positions = torch.arange(start, start + new, device=hidden.device)[None]
-        with torch.no_grad():
-            self._start = self.heads.context(hidden, next_tokens, positions, self.context_cache)[:, -1:]
+        self._start = self.heads.context(hidden, next_tokens, positions, self.context_cache)[:, -1:]
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         hidden = state.hidden.get(-1)
@@ -210,19 +192,18 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 
     Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
-    ``selfspec.models.load_model(heads_dir)``, or pass ``merge_adapter=True`` to merge the adapter into
+    ``selfspec.runtime.models.load_model(heads_dir)``, or pass ``merge_adapter=True`` to merge the adapter into
     ``base_model`` in place. Either way, decoding then reproduces the adapted model's own greedy output.
 
     Raises:
         FileNotFoundError: the heads directory or one of its files is missing.
-        selfspec.identity.BaseModelMismatchError: the heads were trained for another base model.
+        selfspec.runtime.identity.BaseModelMismatchError: the heads were trained for another base model.
         ValueError: an invalid heads directory or tree.
     """
     heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
     return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k)
 
 
-@register_drafter("medusa")
 def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, **options) -> MedusaDrafter:
     """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic``).
 

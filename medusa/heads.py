@@ -31,14 +31,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from selfspec.adapters import copy_backbone_adapter, resolve_backbone
-from selfspec.identity import base_model_identity
-from selfspec.io import atomic_directory
-from selfspec.kernels import module_backend, set_module_backend
-
-from .card import render_readme
-from .config import CONFIG_NAME, MedusaConfig
-from .context import PrefixAttention
+from medusa.card import render_readme
+from medusa.config import CONFIG_NAME, MedusaConfig
+from medusa.context import PrefixAttention
+from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
+from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.io import atomic_directory
+from selfspec.runtime.kernels import module_backend, set_module_backend
 
 WEIGHTS_NAME = "model.safetensors"
 README_NAME = "README.md"
@@ -53,7 +52,7 @@ class MedusaHeads(nn.Module):
             with private heads it initialises every head's copy (left at zero when ``None``, to be loaded).
         embeddings: the base model's input embeddings (``model.get_input_embeddings()``); required by sequential
             heads and prefix attention, which embed the drafted (or next) tokens with them.
-        rotary: the base model's rotary embedding (``selfspec.attention.rotary_of``), used by prefix attention.
+        rotary: the base model's rotary embedding (``selfspec.runtime.attention.rotary_of``), used by prefix attention.
 
     Raises:
         ValueError: ``hidden_size`` / ``vocab_size`` unset, no LM head to share, an LM head of another shape, or
@@ -166,7 +165,7 @@ class MedusaHeads(nn.Module):
                 cache=None) -> torch.Tensor:
         """Prefix attention (``config.prefix_attention``): ``[b, q, hidden]`` base hidden states and ``[b, q]`` ids of
         each position's next token -> ``[b, q, hidden]`` states the heads start from. ``cache``
-        (``selfspec.attention.LayerCache``) holds earlier positions at decode time; the new ones are appended."""
+        (``selfspec.runtime.attention.LayerCache``) holds earlier positions at decode time; the new ones are appended."""
         if self.prefix is None:
             raise ValueError("these heads have no prefix attention (config.prefix_attention is false)")
         dtype = self.resblock_weight.dtype
@@ -289,7 +288,7 @@ class MedusaHeads(nn.Module):
         """Write ``config.json``, ``model.safetensors`` (the heads' own weights only) and ``README.md`` to
         ``directory``, atomically: a crash leaves either the old directory or the complete new one.
 
-        ``backbone_adapter``: a folder written by ``selfspec.adapters.export_backbone_adapter`` (Medusa-2), copied
+        ``backbone_adapter``: a folder written by ``selfspec.runtime.adapters.export_backbone_adapter`` (Medusa-2), copied
         into the directory in the same atomic write; ``config.backbone_adapter`` must describe it.
 
         Raises:
@@ -314,13 +313,13 @@ class MedusaHeads(nn.Module):
         """Load heads saved by ``save_pretrained`` onto ``base_model`` (whose LM head they share).
 
         Medusa-2 heads belong to the base with their LoRA adapter merged: ``base_model`` must be that adapted
-        model (``selfspec.models.load_model(directory)`` loads it), or the plain base with ``merge_adapter=True``,
+        model (``selfspec.runtime.models.load_model(directory)`` loads it), or the plain base with ``merge_adapter=True``,
         which merges the adapter into ``base_model`` in place.
 
         Raises:
             FileNotFoundError: the directory, its ``config.json``, its ``model.safetensors`` or its adapter does not
                 exist.
-            selfspec.identity.BaseModelMismatchError: the heads were trained for another base model (or for the
+            selfspec.runtime.identity.BaseModelMismatchError: the heads were trained for another base model (or for the
                 adapted one, and the plain base was given without ``merge_adapter``).
             ValueError: an invalid config, or weights that do not match it.
         """
@@ -358,7 +357,7 @@ def path_tokens(input_ids: torch.Tensor, num_heads: int, pad_id: int = 0) -> tor
 
 def _shared_inputs(model: nn.Module, config: MedusaConfig) -> tuple[nn.Module | None, nn.Module | None]:
     """``(embeddings, rotary)`` of the base model that heads of this config read (None where they read nothing)."""
-    from selfspec.attention import rotary_of
+    from selfspec.runtime.attention import rotary_of
     embeddings = model.get_input_embeddings() if config.sequential or config.prefix_attention else None
     return embeddings, rotary_of(model) if config.prefix_attention else None
 

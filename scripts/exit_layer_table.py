@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decoding.generate import generate  # noqa: E402
 from early_exit import DraftPolicy, EarlyExitDrafter, ExitClassifier, new_classifier  # noqa: E402
-from early_exit.calibrate import calibration_set, chain_speedup, exit_agreement, relative_cost  # noqa: E402
+from early_exit.estimates import calibration_set, chain_speedup, exit_agreement, relative_cost  # noqa: E402
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
-    from selfspec.data import BUILTIN_PROMPTS
-    from selfspec.prompts import encode_prompt, read_prompts
+    from selfspec.runtime.prompts import encode_prompt, read_prompts
+    from selfspec.training.data import BUILTIN_PROMPTS
 
     texts = [p["prompt"] for p in read_prompts(path, limit)] if path else BUILTIN_PROMPTS[:limit]
     return [encode_prompt(tokenizer, text) for text in texts]
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="write the markdown table (and a .json beside it) here")
     args = parser.parse_args(argv)
 
-    from selfspec.training import load_base_model
+    from selfspec.runtime.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_base_model(args.model)
+    model, tokenizer = load_model(args.model)
     model.eval()
     total = len(model.model.layers)
     trained = {c.exit_layer: c for c in (ExitClassifier.from_pretrained(h, model) for h in args.heads)}

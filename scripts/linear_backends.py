@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from decoding import cache as kv
-    from selfspec.kernels import set_linear_backend
-    from selfspec.models import load_model
+    from selfspec.runtime import cache as kv
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.runtime.models import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)

@@ -44,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import decoding
-    from decoding.drafter import make_combined
-    from selfspec.kernels import set_linear_backend
-    from selfspec.models import load_model
-    from selfspec.prompts import encode_prompt
+    from decoding.registry import make_combined
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.runtime.models import load_model
+    from selfspec.runtime.prompts import encode_prompt
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)

@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from decoding import generate
-    from selfspec.bench import eos_of, load_model, load_prompts
-    from selfspec.bench_methods import DrafterMethod, parse_method
-    from selfspec.kernels import set_linear_backend
+    from selfspec.bench.methods import DrafterMethod, parse_method
+    from selfspec.bench.runner import eos_of, load_prompts
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.runtime.models import load_model
 
     torch.set_num_threads(args.threads)
     prompts_path = args.prompts

@@ -3,9 +3,9 @@
     python scripts/search_layer_skip.py --model smollm2-135m-instruct --output heads/smollm2-135m-instruct-layer-skip
 
 The search is greedy over teacher-forced top-1 agreement with the full model on its own greedy continuations
-(see ``early_exit.calibrate``), scored by the expected chain speedup; the chosen set is then measured for real
+(see ``early_exit.estimates``), scored by the expected chain speedup; the chosen set is then measured for real
 (tau and tokens/s with ``decoding.generate`` against plain decoding) and both are written to ``config.json``.
-Calibration prompts default to ``selfspec.data.BUILTIN_PROMPTS``, kept apart from the MT-bench benchmark prompts.
+Calibration prompts default to ``selfspec.training.data.BUILTIN_PROMPTS``, kept apart from the MT-bench benchmark prompts.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decoding.generate import generate  # noqa: E402
 from early_exit import DraftPolicy, LayerSkipConfig, LayerSkipDrafter  # noqa: E402
-from early_exit.calibrate import calibration_set  # noqa: E402
+from early_exit.estimates import calibration_set  # noqa: E402
 from early_exit.layer_skip import search_skip_layers  # noqa: E402
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
-    from selfspec.data import BUILTIN_PROMPTS
-    from selfspec.prompts import encode_prompt, read_prompts
+    from selfspec.runtime.prompts import encode_prompt, read_prompts
+    from selfspec.training.data import BUILTIN_PROMPTS
 
     texts = [p["prompt"] for p in read_prompts(path, limit)] if path else BUILTIN_PROMPTS[:limit]
     return [encode_prompt(tokenizer, text) for text in texts]
@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure-tokens", type=int, default=64, help="tokens per prompt for the final measurement")
     args = parser.parse_args(argv)
 
-    from selfspec.identity import base_model_identity
-    from selfspec.training import load_base_model
+    from selfspec.runtime.identity import base_model_identity
+    from selfspec.runtime.models import load_model
 
     torch.manual_seed(0)
-    model, tokenizer = load_base_model(args.model)
+    model, tokenizer = load_model(args.model)
     model.eval()
     prompts = encoded_prompts(tokenizer, args.prompts, args.num_prompts)
     calibration = calibration_set(model, prompts, new_tokens=args.new_tokens)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               "saving the empty set; layer skipping does not pay for this model", flush=True)
     drafter = LayerSkipDrafter(model, skip, DraftPolicy.chain(metrics["max_depth"]))
     metrics.update(measure(model, drafter, prompts, args.measure_tokens))
-    metrics["calibration"] = {"prompts": args.prompts or "selfspec.data.BUILTIN_PROMPTS",
+    metrics["calibration"] = {"prompts": args.prompts or "selfspec.training.data.BUILTIN_PROMPTS",
                               "num_prompts": len(prompts), "new_tokens": args.new_tokens}
     config = LayerSkipConfig(skip, base_model_identity(model), metrics=metrics,
                              policy={"max_depth": metrics["max_depth"]})

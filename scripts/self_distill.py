@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from selfspec import data as D
-from selfspec.training import load_base_model
+from selfspec.runtime.models import load_model
+from selfspec.training import data as D
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_base_model(args.model)
+    model, tokenizer = load_model(args.model)
     with tqdm(total=args.num_prompts, desc="prompts", unit="prompt", disable=args.prompts != "self") as bar:
         prompts = D.resolve_prompts(args.prompts, model, tokenizer, out, num_prompts=args.num_prompts,
                                     max_new_tokens=args.prompt_max_new_tokens, batch_size=args.batch_size,

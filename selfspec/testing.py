@@ -1,57 +1,34 @@
-"""Tiny randomly initialised causal LMs for tests, smoke grids and examples: built in-process, no download."""
+"""What the tests share: tiny random models (``selfspec.runtime.tiny``), reference drafters that show the decode loop
+is lossless whatever is proposed, and assertions several test modules make."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import DynamicCache
 
-# Small enough that a forward pass costs well under a millisecond, big enough for GQA, RoPE and several layers.
-_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+import decoding
+from decoding.drafter import DecodeState, DrafterBase, SamplingParams
+from decoding.tree import DraftTree, TreeTemplate
+from early_exit.classifier import new_classifier
+from medusa.heads import MedusaHeads
+from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.tiny import ARCHITECTURES, TINY_CONFIGS, byte_tokenizer, tiny_config, tiny_model
 
-TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(model_type="llama", **_COMMON),
-    "qwen2": dict(model_type="qwen2", **_COMMON),
-    "mistral": dict(model_type="mistral", sliding_window=None, **_COMMON),
-    "qwen3": dict(model_type="qwen3", head_dim=8, **_COMMON),
-    "gemma": dict(model_type="gemma", head_dim=8, **_COMMON),
-    "phi3": dict(model_type="phi3", pad_token_id=0, **{k: v for k, v in _COMMON.items()}),
-    "gpt2": dict(model_type="gpt2", vocab_size=96, n_embd=32, n_layer=4, n_head=4, n_positions=512, n_inner=64,
-                 tie_word_embeddings=False),
-}
-ARCHITECTURES = tuple(TINY_CONFIGS)
-
-
-def tiny_config(arch: str, **overrides):
-    if arch not in TINY_CONFIGS:
-        raise KeyError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_CONFIGS)}")
-    spec = {**TINY_CONFIGS[arch], **overrides}
-    model_type = spec.pop("model_type")
-    spec.setdefault("bos_token_id", 1)
-    # No EOS by default, so generations run their full length; tests that exercise EOS pass one explicitly.
-    spec.setdefault("eos_token_id", None)
-    return AutoConfig.for_model(model_type, **spec)
-
-
-def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa", **overrides):
-    """A randomly initialised causal LM of architecture ``arch`` in eval mode (same ``seed``, same weights)."""
-    config = tiny_config(arch, **overrides)
-    torch.manual_seed(seed * 1000 + ARCHITECTURES.index(arch))
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    # Random init is near-uniform; sharpen the output so greedy paths are varied and drafts can be right.
-    with torch.no_grad():
-        head = model.get_output_embeddings()
-        head.weight.mul_(8.0)
-    return model.eval()
+__all__ = [
+    "ARCHITECTURES", "LLAMA_FAMILY", "MEDUSA_TEST_TREES", "TINY_CONFIGS", "OracleDrafter", "RandomDrafter",
+    "assert_linear_backend_is_exact_and_lossless", "assert_random_trees_decode_losslessly", "attention_classifier",
+    "byte_tokenizer", "early_exit_overrides", "greedy_reference", "prefilled_state", "prefix_heads", "random_prompt",
+    "randomize_heads", "sequential_heads", "snapshot", "tiny_config", "tiny_model", "write_prompt_response_data",
+]
 
 
 def assert_random_trees_decode_losslessly(model, seeds_and_lengths=((1, 3), (2, 17)), max_new_tokens: int = 20) -> None:
     """Greedy tree decoding equals ``model.generate`` with random 6-node trees that often hold the true
     continuation (so deep paths are accepted and verified), for each ``(seed, prompt length)``."""
-    import decoding
-    from decoding.testing import RandomDrafter
-
     vocab = model.config.vocab_size
     for seed, length in seeds_and_lengths:
         prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
@@ -67,9 +44,6 @@ def assert_linear_backend_is_exact_and_lossless(model, backend: str, kernel_call
     """Put ``model`` (on the stock path) on linear ``backend`` and check: logits equal stock's (float32 rounding
     aside), every ``nn.Linear`` of the forward went through the kernel (``kernel_calls`` collects one entry per call,
     by a patch the caller set up), the parameters are untouched, and tree decoding stays lossless."""
-    from selfspec.identity import base_model_identity
-    from selfspec.kernels import set_linear_backend
-
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         stock = model(ids).logits
@@ -81,3 +55,157 @@ def assert_linear_backend_is_exact_and_lossless(model, backend: str, kernel_call
     assert len(kernel_calls) == linears, f"{len(kernel_calls)} of {linears} linear layers ran on {backend}"
     assert base_model_identity(model) == identity  # parameters untouched: heads still recognise the model
     assert_random_trees_decode_losslessly(model)
+
+
+class OracleDrafter(DrafterBase):
+    """Proposes the true continuation (a reference sequence) as a chain: every node is accepted, so
+    tau equals depth + 1. Where the reference ends it proposes nothing."""
+
+    def __init__(self, reference: torch.Tensor, depth: int):
+        self.reference = reference.reshape(-1)
+        self.depth = depth
+
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        start = state.sequence.shape[1]
+        tokens = self.reference[start:start + self.depth]
+        if tokens.numel() == 0:
+            return None
+        return DraftTree.chain(tokens)
+
+
+class RandomDrafter(DrafterBase):
+    """Proposes a random tree of random tokens each step (random shape unless ``parents`` is fixed)."""
+
+    def __init__(self, vocab_size: int, size: int = 8, seed: int = 0, parents: list[int] | None = None,
+                 reference: torch.Tensor | None = None, hit_rate: float = 0.0):
+        self.vocab_size = vocab_size
+        self.size = size
+        self.parents = parents
+        self.generator = torch.Generator().manual_seed(seed)
+        # With a reference, some nodes copy the true token so that deep partial acceptances happen too.
+        self.reference = None if reference is None else reference.reshape(-1)
+        self.hit_rate = hit_rate
+
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        g = self.generator
+        if self.parents is not None:
+            parents = torch.tensor(self.parents)
+        else:
+            parents = torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, self.size)])
+        tree = DraftTree(torch.randint(0, self.vocab_size, (len(parents),), generator=g), parents)
+        if self.reference is None or self.hit_rate <= 0:
+            return tree
+        start = state.sequence.shape[1]
+        positions = start + tree.depth - 1
+        tokens = tree.tokens.clone()
+        hit = (torch.rand(len(tokens), generator=g) < self.hit_rate) & (positions < self.reference.numel())
+        tokens[hit] = self.reference[positions[hit]]
+        return DraftTree(tokens, parents)
+
+
+def write_prompt_response_data(path: Path, n: int = 6) -> Path:
+    """``n`` prompt/response records of simple arithmetic, as JSONL at ``path``."""
+    lines = [json.dumps({"prompt": f"Question {i}: what is {i} plus {i}?", "response": f"{i} plus {i} is {2 * i}."})
+             for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def early_exit_overrides(tmp_path: Path, out: str, **extra) -> list[str]:
+    """``key=value`` overrides of configs/early_exit/tiny.yaml for a run that must learn in a few steps."""
+    # 6 records, 2 held out, batch 4: every step trains on the same 4 examples, so the loss is a function of the
+    # parameters alone and must fall.
+    base = {"output_dir": str(tmp_path / out), "data.source": str(write_prompt_response_data(tmp_path / "data.jsonl")),
+            "data.eval_samples": 2, "data.max_length": 64, "optim.batch_size": 4, "optim.epochs": 50,
+            "optim.lr": 0.003, "logging.log_every": 1}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+#: tiny architectures the partial-forward drafters (early exit, layer skip) support
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def random_prompt(n: int = 7, seed: int = 1) -> torch.Tensor:
+    """``[1, n]`` random ids of the tiny models' vocabulary (ids 0 and 1, pad and bos, left out)."""
+    return torch.randint(2, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled_state(model, ids: torch.Tensor) -> DecodeState:
+    """The decode loop's state after prefill: every prompt token but the last (the root) in the cache."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :-1], cache=cache, use_cache=True)
+    return DecodeState(model=model, cache=cache, sequence=ids, sampling=SamplingParams())
+
+
+def snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every layer's keys and values, to show that a drafter left the cache as it found it."""
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def attention_classifier(model, exit_layer: int = 2, scale: float = 0.3, seed: int = 0, **options):
+    """An attention-adapter classifier with random, nonzero weights (zero init would hide every bug)."""
+    classifier = new_classifier(model, exit_layer, adapter="attention", adapter_layers=1, **options)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in classifier.attention.named_parameters():
+            if not name.startswith("norm"):
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
+    return classifier
+
+
+def prefix_heads(model, seed: int = 0, sequential: bool = True, mlp: int = 24, **overrides) -> MedusaHeads:
+    """Heads with a random, clearly non-identity prefix block (its zero-initialised projections randomised too)."""
+    if sequential:
+        heads = sequential_heads(model, seed=seed, prefix_attention=True, prefix_mlp_size=mlp, **overrides)
+    else:
+        overrides = {"num_heads": 3, **overrides}
+        heads = randomize_heads(MedusaHeads.for_model(model, prefix_attention=True, prefix_mlp_size=mlp, **overrides),
+                          scale=0.1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in heads.prefix.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * p.shape[-1] ** -0.5)
+        heads.prefix.token_proj.weight.mul_(10.0)  # the tiny models' embeddings are ~0.1 in norm
+    return heads
+
+
+def sequential_heads(model, seed: int = 0, **overrides) -> MedusaHeads:
+    """Random heads in which both the parent state and the token matter: small ResBlock weights (larger ones grow
+    the state 3x per depth until it drowns the token) and a token projection scaled up to the tiny models'
+    ~0.1-norm embeddings, so ``U e`` is about as large as ``W s``."""
+    overrides = {"num_heads": 3, **overrides}
+    heads = randomize_heads(MedusaHeads.for_model(model, sequential=True, **overrides), scale=0.1, seed=seed)
+    with torch.no_grad():
+        heads.token_weight.mul_(100.0)  # randn * 10
+        if heads.lm_head_weight is not None:  # private LM heads: spread over the vocabulary, unlike the tiny base's
+            heads.lm_head_weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return heads
+
+
+#: static trees the Medusa tests decode with: chains, branchy, full, wide, and a size grown from accuracies
+MEDUSA_TEST_TREES = {"chain4": TreeTemplate.chain(4).choices,
+         "branchy": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 1, 0], [1, 1, 0],
+                     [0, 0, 0, 0]],
+         "default16": 16,
+         "full3x3x2": [[a] for a in range(3)] + [[a, b] for a in range(3) for b in range(3)]
+         + [[a, b, c] for a in range(3) for b in range(3) for c in range(2)],
+         "wide": [[r] for r in range(24)] + [[r, 0] for r in range(6)] + [[0, r] for r in range(1, 5)]
+         + [[0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]}
+
+
+def greedy_reference(model, ids, max_new_tokens):
+    """``model.generate`` greedy, exactly ``max_new_tokens`` long (no EOS stop): what a drafter must reproduce."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                          min_new_tokens=max_new_tokens, pad_token_id=0)
+
+
+def randomize_heads(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> MedusaHeads:
+    """Non-zero ResBlock weights (deterministic), so heads differ from the base LM head and from each other."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return heads

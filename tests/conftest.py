@@ -30,7 +30,7 @@ def smollm2():
     ``pytest -n 2 --dist loadgroup`` the group runs on one worker, so the 540 MB model is converted and held in
     memory by one process only, instead of both workers converting at once and doubling the memory.
     """
-    from selfspec.models import load_model
+    from selfspec.runtime.models import load_model
 
     model, tokenizer = load_model("smollm2-135m-instruct", dtype=torch.float32)
     return model.eval(), tokenizer

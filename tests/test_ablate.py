@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.ablate import expand_grid, load_grid, run_ablation
+from selfspec.bench.ablate import expand_grid, load_grid, run_ablation
 from selfspec.cli import main
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "ablations" / "smoke.yaml"
@@ -56,11 +56,11 @@ def test_train_hook_feeds_the_method(tmp_path, monkeypatch):
     (tmp_path / "fake_recipe.py").write_text(
         "import torch\n"
         "from medusa import MedusaHeads\n"
-        "from selfspec.testing import tiny_model\n"
+        "from selfspec.runtime.models import load_model\n"
         "CALLS = []\n"
         "def train(config):\n"
         "    CALLS.append(config)\n"
-        "    heads = MedusaHeads.for_model(tiny_model('llama'), num_heads=config['num_heads'])\n"
+        "    heads = MedusaHeads.for_model(load_model('tiny:llama')[0], num_heads=config['num_heads'])\n"
         "    out = config['output_dir'] + f\"/heads{config['num_heads']}\"\n"
         "    heads.save_pretrained(out)\n"
         "    return out\n")

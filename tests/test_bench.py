@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from selfspec import bench
-from selfspec.bench import BenchRun, first_difference, run_benchmark, summarize, synthetic_prompts
-from selfspec.bench_methods import Generation, GenSettings, parse_method, register_method
-from selfspec.bench_report import write_results
+from selfspec.bench.methods import Generation, GenSettings, parse_method, register_method
+from selfspec.bench.report import write_results
+from selfspec.bench.runner import BenchRun, first_difference, run_benchmark, summarize, synthetic_prompts
+from selfspec.bench import runner as bench
 from selfspec.cli import main
+from selfspec.runtime.models import load_model
 from selfspec.testing import tiny_model
 
 SETTINGS = GenSettings(max_new_tokens=8)
@@ -38,7 +39,7 @@ register_method("test-flip")(lambda arg, options: _FlipMethod())
 def test_bench_cli_writes_results_schema(tmp_path):
     from medusa import MedusaHeads
 
-    heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=2)
+    heads = MedusaHeads.for_model(load_model("tiny:llama")[0], num_heads=2)  # the model --model tiny:llama loads
     with torch.no_grad():
         heads.resblock_weight.normal_(0, 0.5)  # non-trivial drafts, so the tree path is really exercised
     heads.save_pretrained(tmp_path / "heads")
@@ -163,8 +164,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     bench_args = ["bench", "--threads", "1", "--model", "tiny:llama", "--out", str(tmp_path)]
     assert main([*bench_args, "--methods", "nonsense"]) == 2
     assert "unknown method 'nonsense'" in capsys.readouterr().err
-    assert main([*bench_args, "--prompts", "x.jsonl"]) == 2
-    assert "no tokenizer" in capsys.readouterr().err
+    assert main([*bench_args, "--prompts", str(tmp_path / "x.jsonl")]) == 2
+    assert "x.jsonl" in capsys.readouterr().err
 
 
 def test_sampling_skips_the_lossless_check():

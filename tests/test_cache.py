@@ -1,4 +1,4 @@
-"""decoding.cache: the buffered cache layers the decode loop uses behave exactly like transformers' DynamicLayer
+"""selfspec.runtime.cache: the buffered cache layers the decode loop uses behave exactly like transformers' DynamicLayer
 (same tensors after every update, crop and tree rollback; same logits from the stock modeling code), without
 reallocating while they fit."""
 
@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from decoding.cache import BufferedLayer, crop, keep_accepted, new_cache
+from selfspec.runtime.cache import BufferedLayer, crop, keep_accepted, new_cache
 from selfspec.testing import ARCHITECTURES, tiny_model
 
 

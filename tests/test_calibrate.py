@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from medusa import MedusaConfig, MedusaHeads, expected_accept_length
-from selfspec import calibrate as cal
+from selfspec.bench import calibration as cal
 from selfspec.cli import main
-from selfspec.testing import tiny_model
+from selfspec.runtime.models import load_model
+from selfspec.testing import sequential_heads, tiny_model
 
 ACCURACY = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.15, 0.1]]
 
@@ -54,7 +55,7 @@ def test_cumulative_accuracy_is_rejected():
 
 
 def test_calibrate_command_writes_the_tree(tmp_path, capsys):
-    heads = MedusaHeads.for_model(tiny_model("llama"), num_heads=3, head_accuracy=ACCURACY)
+    heads = MedusaHeads.for_model(load_model("tiny:llama")[0], num_heads=3, head_accuracy=ACCURACY)
     heads.save_pretrained(tmp_path)
     rc = main(["calibrate", "--mode", "accuracy", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama",
                "--sizes", "1,4,8",
@@ -72,12 +73,12 @@ def test_calibrate_command_writes_the_tree(tmp_path, capsys):
     # The saved heads still load, and the drafter now uses the calibrated tree by default.
     from decoding import make_drafter
 
-    assert make_drafter("medusa", tiny_model("llama"), str(tmp_path)).template.choices == config.tree
+    assert make_drafter("medusa", load_model("tiny:llama")[0], str(tmp_path)).template.choices == config.tree
 
 
 def test_plain_decoding_wins_when_every_tree_costs_more_than_it_gains(monkeypatch, tmp_path):
     from decoding import make_drafter
-    from selfspec.io import is_complete
+    from selfspec.runtime.io import is_complete
 
     # Any tree triples the step time and no tree reaches tau 3: the empty tree must win and be saved as such.
     monkeypatch.setattr(cal, "verify_latencies", lambda model, trees, **_: {n: 1.0 if n == 0 else 3.0 for n in trees})
@@ -119,8 +120,7 @@ def test_linear_fit_smooths_outliers():
 
 
 def _sequential_heads(tmp_path):
-    from test_medusa_sequential import sequential_heads
-    model = tiny_model("llama")
+    model = load_model("tiny:llama")[0]  # what the command loads for --model tiny:llama
     heads = sequential_heads(model, num_heads=3, seed=3)
     heads.config.head_accuracy = ACCURACY
     heads.save_pretrained(tmp_path)
@@ -128,8 +128,8 @@ def _sequential_heads(tmp_path):
 
 
 def test_replay_calibration_uses_the_replayed_tau_and_the_measured_costs(monkeypatch, tmp_path):
-    from selfspec.simulate import make_references, replay
     from decoding import make_drafter
+    from selfspec.bench.replay import make_references, replay
 
     model = _sequential_heads(tmp_path)
     references = make_references(model, [torch.tensor([[1, 17, 4, 33, 8]]), torch.tensor([[5, 6, 7]])], 16)

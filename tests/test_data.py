@@ -1,4 +1,4 @@
-"""selfspec.data: formats, chat-template loss masks, clear errors on bad data, resumable self-distillation."""
+"""selfspec.training.data: formats, chat-template loss masks, clear errors on bad data, resumable self-distillation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from selfspec import data as D
-from selfspec.training import byte_tokenizer, load_base_model
+from selfspec.runtime.models import load_model
+from selfspec.runtime.tiny import byte_tokenizer
+from selfspec.training import data as D
 
 
 def write_jsonl(path, rows):
@@ -122,7 +123,7 @@ def test_user_turn_prefix(tokenizer):
 
 
 def test_self_generated_prompts_are_sampled_and_kept(tmp_path):
-    model, tokenizer = load_base_model("tiny:llama")
+    model, tokenizer = load_model("tiny:llama")
     prompts = D.resolve_prompts("self", model, tokenizer, tmp_path, num_prompts=3, max_new_tokens=8)
     assert len(prompts) == 3 and all(p["prompt"] for p in prompts)
     assert len({p["prompt"] for p in prompts}) == 3  # sampled, not greedy: different prompts
@@ -131,14 +132,14 @@ def test_self_generated_prompts_are_sampled_and_kept(tmp_path):
 
 
 def test_task_prompts_and_joined_prompt_specs(tmp_path):
-    from selfspec.task_prompts import task_prompts
+    from selfspec.training.task_prompts import task_prompts
     prompts = task_prompts(300, seed=1)
     assert len(set(prompts)) == 300 and prompts == task_prompts(300, seed=1) and prompts != task_prompts(300, seed=2)
     assert not any("{" in p for p in prompts)  # every placeholder filled
     assert any(p.startswith("Write a Python function") for p in prompts)
     with pytest.raises(ValueError, match="num_prompts must be >= 1"):
         task_prompts(0)
-    model, tokenizer = load_base_model("tiny:llama")
+    model, tokenizer = load_model("tiny:llama")
     joined = D.resolve_prompts("builtin:2+tasks:3", model, tokenizer, tmp_path, num_prompts=50)
     assert [p["id"] for p in joined] == ["builtin-0", "builtin-1", "task-0", "task-1", "task-2"]
     assert [p["prompt"] for p in joined[2:]] == task_prompts(3)
@@ -148,7 +149,7 @@ def test_task_prompts_and_joined_prompt_specs(tmp_path):
 
 
 def test_batched_left_padded_generation_equals_one_at_a_time():
-    model, tokenizer = load_base_model("tiny:llama")
+    model, tokenizer = load_model("tiny:llama")
     prompts = [tokenizer("ab").input_ids, tokenizer("a much longer prompt").input_ids]
     batched = D.generate_batched(model, tokenizer, prompts, max_new_tokens=6, batch_size=2)
     single = [D.generate_batched(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
@@ -156,7 +157,7 @@ def test_batched_left_padded_generation_equals_one_at_a_time():
 
 
 def test_distill_resumes_without_redoing_or_duplicating(tmp_path):
-    model, tokenizer = load_base_model("tiny:llama")
+    model, tokenizer = load_model("tiny:llama")
     prompts = [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(5)]
     D.distill(model, tokenizer, prompts, tmp_path, max_new_tokens=4, shard_size=2)
     shards = sorted(tmp_path.glob("shard-*.jsonl"))
@@ -174,7 +175,8 @@ def test_distill_resumes_without_redoing_or_duplicating(tmp_path):
 @pytest.mark.real_model
 def test_smollm2_template_masks_the_reply_not_its_default_system_prompt(tmp_path):
     from transformers import AutoTokenizer
-    from selfspec.models import resolve_model
+
+    from selfspec.runtime.models import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     path = write_jsonl(tmp_path / "d.jsonl", [FORMAT_ROWS["sharegpt"]])
     (example,) = D.tokenize_records(D.load_records(str(path)), tokenizer, max_length=256)

@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from decoding import generate
-from decoding.testing import OracleDrafter, RandomDrafter
-from selfspec.prompts import encode_prompt, read_prompts
+from selfspec.runtime.prompts import encode_prompt, read_prompts
+from selfspec.testing import OracleDrafter, RandomDrafter
 
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]

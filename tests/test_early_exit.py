@@ -10,32 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from decoding.drafter import DecodeState, SamplingParams, make_drafter
 from decoding.generate import generate
-from early_exit import (DraftPolicy, EarlyExitDrafter, ExitClassifier, check_supported, make_early_exit_drafter,
-                        new_classifier)
-from selfspec.testing import tiny_model
-from test_early_exit_attention import attention_classifier
-
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3")
-
-
-def prompt(n: int = 7, seed: int = 1) -> torch.Tensor:
-    return torch.randint(2, 96, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def prefilled_state(model, ids: torch.Tensor) -> DecodeState:
-    """The decode loop's state after prefill: every prompt token but the last (the root) in the cache."""
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids[:, :-1], cache=cache, use_cache=True)
-    return DecodeState(model=model, cache=cache, sequence=ids, sampling=SamplingParams())
-
-
-def snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+from decoding.registry import make_drafter
+from early_exit import (
+    DraftPolicy,
+    EarlyExitDrafter,
+    ExitClassifier,
+    check_supported,
+    make_early_exit_drafter,
+    new_classifier,
+)
+from selfspec.testing import LLAMA_FAMILY, attention_classifier, prefilled_state, random_prompt, snapshot, tiny_model
 
 
 @pytest.mark.parametrize("exit_layer", [0, 4, -1, 7, 2.0])
@@ -108,7 +94,7 @@ def test_classifier_for_another_base_model_is_refused(tmp_path):
 @pytest.mark.parametrize("policy", [DraftPolicy.chain(5), DraftPolicy(max_depth=4, top_k=3, width=3, max_nodes=10)])
 def test_cache_is_unchanged_after_propose(policy):
     model = tiny_model("llama", dtype=torch.float64)
-    state = prefilled_state(model, prompt(9))
+    state = prefilled_state(model, random_prompt(9))
     before = snapshot(state.cache)
     tree = EarlyExitDrafter(model, new_classifier(model, 2), policy).propose(state)
     assert len(tree) > 1
@@ -123,7 +109,7 @@ def test_chain_draft_is_the_truncated_model(arch):
     """Each draft token is the argmax of the classifier on the full model's own layer-E hidden state of the
     sequence so far: the shared cache gives the draft exactly the full model's shallow KV."""
     model = tiny_model(arch, dtype=torch.float64)
-    ids = prompt(6)
+    ids = random_prompt(6)
     classifier = new_classifier(model, 2)
     tree = EarlyExitDrafter(model, classifier, DraftPolicy.chain(4)).propose(prefilled_state(model, ids))
     sequence = ids
@@ -136,7 +122,7 @@ def test_chain_draft_is_the_truncated_model(arch):
 
 def test_tree_respects_the_policy_and_threshold():
     model = tiny_model("llama", dtype=torch.float64)
-    state = prefilled_state(model, prompt(8))
+    state = prefilled_state(model, random_prompt(8))
     classifier = new_classifier(model, 3)
     tree = EarlyExitDrafter(model, classifier, DraftPolicy(max_depth=3, top_k=4, width=2, max_nodes=5)).propose(state)
     assert len(tree) <= 5 and tree.max_depth <= 3
@@ -154,7 +140,7 @@ def test_reduced_draft_vocabulary_maps_ids_back():
     vocab = torch.arange(50, 96)  # the top-N list: ids far from 0..N-1 so a missed mapping shows
     classifier = new_classifier(model, 2, draft_vocab=vocab)
     tree = EarlyExitDrafter(model, classifier, DraftPolicy(max_depth=3, top_k=2, width=2, max_nodes=6)).propose(
-        prefilled_state(model, prompt()))
+        prefilled_state(model, random_prompt()))
     assert bool(((tree.tokens >= 50) & (tree.tokens < 96)).all())
     with pytest.raises(ValueError, match="repeat"):
         classifier.set_draft_vocab(torch.zeros(46, dtype=torch.long))
@@ -178,7 +164,7 @@ DRAFTS = {
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
 def test_greedy_equality(arch, draft):
     model = tiny_model(arch, dtype=torch.float64)
-    out = _greedy_equal(model, make_drafter("early-exit", model, **DRAFTS[draft]), prompt(7), 40)
+    out = _greedy_equal(model, make_drafter("early-exit", model, **DRAFTS[draft]), random_prompt(7), 40)
     assert out.stats.tau > 1.0  # the draft is accepted sometimes: the test exercises acceptance, not just fallback
 
 
@@ -188,7 +174,7 @@ def test_greedy_equality_reduced_vocabulary_and_adapter():
     with torch.no_grad():
         classifier.adapter[0].linear.weight.normal_(0, 0.05)
     _greedy_equal(model, EarlyExitDrafter(model, classifier, DraftPolicy(max_depth=4, top_k=2, width=2, max_nodes=8)),
-                  prompt(5, seed=3), 32)
+                  random_prompt(5, seed=3), 32)
 
 
 @pytest.mark.parametrize("draft", ["chain", "tree"])
@@ -203,7 +189,7 @@ def test_greedy_equality_attention_adapter(arch, draft):
     assert not torch.allclose(classifier(hidden, model), new_classifier(model, classifier.exit_layer)(hidden, model))
     policy = DraftPolicy(max_depth=options["max_depth"], top_k=options.get("top_k", 1), width=options.get("width", 1),
                          max_nodes=options.get("max_nodes", options["max_depth"]))
-    out = _greedy_equal(model, EarlyExitDrafter(model, classifier, policy), prompt(7), 40)
+    out = _greedy_equal(model, EarlyExitDrafter(model, classifier, policy), random_prompt(7), 40)
     assert out.stats.tau > 1.0
 
 
@@ -224,7 +210,7 @@ def test_attention_adapter_save_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded(hidden, model), classifier(hidden, model))
     drafter = make_drafter("early-exit", model, str(tmp_path / "ee"))
     assert drafter.hidden_layers == (2,) and drafter.policy.top_k == 2
-    _greedy_equal(model, drafter, prompt(6, seed=4), 24)
+    _greedy_equal(model, drafter, random_prompt(6, seed=4), 24)
 
 
 def test_sampling_with_a_tree_draft_is_seeded():
@@ -232,9 +218,9 @@ def test_sampling_with_a_tree_draft_is_seeded():
     (losslessness of the sampler itself is tested on its own in decoding's tests)."""
     model = tiny_model("llama", dtype=torch.float64)
     drafter = make_drafter("early-exit", model, exit_layer=2, max_depth=3, top_k=2)
-    runs = [generate(model, drafter, prompt(), max_new_tokens=24, temperature=0.8, top_k=20, seed=7).sequences
+    runs = [generate(model, drafter, random_prompt(), max_new_tokens=24, temperature=0.8, top_k=20, seed=7).sequences
             for _ in range(2)]
-    assert torch.equal(runs[0], runs[1]) and runs[0].shape[1] == prompt().shape[1] + 24
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape[1] == random_prompt().shape[1] + 24
 
 
 def test_exit_layer_table_script(tmp_path):

@@ -13,20 +13,11 @@ from decoding.drafter import DecodeState, SamplingParams
 from decoding.generate import generate
 from early_exit import DraftPolicy, EarlyExitDrafter, ExitClassifierConfig, new_classifier
 from early_exit.adapter import AdapterCache
-from selfspec.testing import tiny_model
+from selfspec.testing import attention_classifier, tiny_model
 
 LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3")
 
 
-def attention_classifier(model, exit_layer: int = 2, scale: float = 0.3, seed: int = 0, **options):
-    """An attention-adapter classifier with random, nonzero weights (zero init would hide every bug)."""
-    classifier = new_classifier(model, exit_layer, adapter="attention", adapter_layers=1, **options)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in classifier.attention.named_parameters():
-            if not name.startswith("norm"):
-                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
-    return classifier
 
 
 def random_hidden(model, batch: int = 1, length: int = 6, seed: int = 0) -> torch.Tensor:

@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.drafter import make_drafter
+import early_exit.recipe as exit_recipe
 from decoding.generate import generate
+from decoding.registry import make_drafter
 from early_exit import ExitClassifier
 from early_exit.exit_loss import resolve_loss_layers
 from selfspec import training as T
-from selfspec.adapters import apply_backbone_adapter, resolve_backbone
-from selfspec.identity import BaseModelMismatchError, base_model_identity
-
-from test_early_exit_train import overrides, recipe
+from selfspec.runtime.adapters import apply_backbone_adapter, resolve_backbone
+from selfspec.runtime.identity import BaseModelMismatchError, base_model_identity
+from selfspec.runtime.models import load_model
+from selfspec.testing import early_exit_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "early_exit" / "tiny-layerskip.yaml"
@@ -78,17 +79,17 @@ def test_bad_loss_layers_are_clear_errors(kwargs, message):
 ])
 def test_bad_layerskip_config_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):
-        T.load_config(recipe().EarlyExitRecipeConfig, TINY, override.split())
+        T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, override.split())
 
 
 def test_layerskip_trains_lora_only_and_saves_a_classifier_for_the_adapted_model(tmp_path):
-    module = recipe()
-    cfg = T.load_config(module.EarlyExitRecipeConfig, TINY, overrides(tmp_path, "ls", **{"optim.max_steps": 2,
+    module = exit_recipe
+    cfg = T.load_config(module.EarlyExitRecipeConfig, TINY, early_exit_overrides(tmp_path, "ls", **{"optim.max_steps": 2,
                                                                                        "optim.lr": 0.01}))
     run = module.EarlyExitRecipe(cfg, argv=[])
     run.setup()
     # 1. Trainable parameters: exactly the LoRA matrices of the target modules, r x (in + out) per module.
-    plain, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    plain, _ = load_model("tiny:llama", dtype=torch.float32)
     targets = [m for name, m in plain.named_modules() if name.split(".")[-1] in cfg.lora.target_modules]
     expected = sum(cfg.lora.r * (m.in_features + m.out_features) for m in targets)
     trainable = {n: p.numel() for n, p in run.model.named_parameters() if p.requires_grad}
@@ -119,7 +120,7 @@ def test_layerskip_trains_lora_only_and_saves_a_classifier_for_the_adapted_model
         make_drafter("early-exit", plain, str(heads))
 
     # 4. The adapted model really differs from the base (the LoRA weights moved), and is what the run recorded.
-    adapted, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    adapted, _ = load_model("tiny:llama", dtype=torch.float32)
     adapted = apply_backbone_adapter(adapted, heads, config["backbone_adapter"], config["base_model"], what="test")
     ids = torch.tensor([[2, 40, 41, 42, 43, 44]])
     with torch.no_grad():
@@ -135,7 +136,7 @@ def test_layerskip_trains_lora_only_and_saves_a_classifier_for_the_adapted_model
     assert torch.equal(generate(adapted, drafter, ids, max_new_tokens=24).sequences, expected)
 
     # 6. merge_adapter=True merges the adapter into a plain base in place: it becomes the adapted model.
-    merged, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    merged, _ = load_model("tiny:llama", dtype=torch.float32)
     drafter = make_drafter("early-exit", merged, str(heads), merge_adapter=True)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import decoding
-from decoding.drafter import make_drafter
-from selfspec.prompts import encode_prompt
+from decoding.registry import make_drafter
+from selfspec.runtime.prompts import encode_prompt
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 

@@ -3,64 +3,41 @@ and the saved classifier drafts losslessly."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoding.drafter import make_drafter
+import early_exit.recipe as exit_recipe
 from decoding.generate import generate
+from decoding.registry import make_drafter
 from selfspec import training as T
+from selfspec.runtime.models import load_model
+from selfspec.testing import early_exit_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "early_exit" / "tiny.yaml"
 
 
-@functools.cache
-def recipe():
-    # train/early_exit.py shares its name with the early_exit package: load it by path.
-    spec = importlib.util.spec_from_file_location("train_early_exit", ROOT / "train" / "early_exit.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
-def write_data(path: Path, n: int = 6) -> Path:
-    lines = [json.dumps({"prompt": f"Question {i}: what is {i} plus {i}?", "response": f"{i} plus {i} is {2 * i}."})
-             for i in range(n)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def overrides(tmp_path: Path, out: str, **extra) -> list[str]:
-    # 6 records, 2 held out, batch 4: every step trains on the same 4 examples, so the loss is a function of the
-    # parameters alone and must fall.
-    base = {"output_dir": str(tmp_path / out), "data.source": str(write_data(tmp_path / "data.jsonl")),
-            "data.eval_samples": 2, "data.max_length": 64, "optim.batch_size": 4, "optim.epochs": 50,
-            "optim.lr": 0.003, "logging.log_every": 1}
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "early_exit").glob("*.yaml")), ids=lambda p: p.name)
 def test_configs_load(path):
-    cfg = T.load_config(recipe().EarlyExitRecipeConfig, path)
+    cfg = T.load_config(exit_recipe.EarlyExitRecipeConfig, path)
     assert 1 <= cfg.classifier.exit_layer
 
 
 def test_nothing_to_train_is_a_clear_error():
     with pytest.raises(ValueError, match="nothing to train"):
-        T.load_config(recipe().EarlyExitRecipeConfig, TINY, ["classifier.adapter_layers=0", "classifier.own_norm=false"])
+        T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, ["classifier.adapter_layers=0", "classifier.own_norm=false"])
 
 
 def test_training_smoke_loss_goes_down_and_heads_draft_losslessly(tmp_path):
-    result = recipe().main(["--config", str(TINY), *overrides(tmp_path, "run", **{"optim.max_steps": 12,
+    result = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "run", **{"optim.max_steps": 12,
                                                                                    "classifier.draft_vocab_size": 40})])
     losses = [r["loss"] for r in result["history"]]
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
@@ -68,7 +45,7 @@ def test_training_smoke_loss_goes_down_and_heads_draft_losslessly(tmp_path):
     config = json.loads((heads / "config.json").read_text())
     assert config["draft_vocab_size"] == 40 and config["policy"]["max_depth"] == 4
     assert "top1_agreement" in config["metrics"] and "train/early_exit.py" in config["metrics"]["command"]
-    model, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    model, _ = load_model("tiny:llama", dtype=torch.float32)
     drafter = make_drafter("early-exit", model, str(heads))
     ids = torch.tensor([[2, 40, 41, 42, 43]])
     expected = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
@@ -76,11 +53,11 @@ def test_training_smoke_loss_goes_down_and_heads_draft_losslessly(tmp_path):
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):
-    module = recipe()
-    module.main(["--config", str(TINY), *overrides(tmp_path, "straight", **{"optim.max_steps": 6})])
-    module.main(["--config", str(TINY), *overrides(tmp_path, "resumed", **{"optim.max_steps": 3})])
+    module = exit_recipe
+    module.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "straight", **{"optim.max_steps": 6})])
+    module.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "resumed", **{"optim.max_steps": 3})])
     assert T.latest_checkpoint(tmp_path / "resumed").name.endswith("3")
-    result = module.main(["--config", str(TINY), "--resume", *overrides(tmp_path, "resumed", **{"optim.max_steps": 6})])
+    result = module.main(["--config", str(TINY), "--resume", *early_exit_overrides(tmp_path, "resumed", **{"optim.max_steps": 6})])
     assert [r["step"] for r in result["history"]] == [4, 5, 6]
     straight = load_file(str(tmp_path / "straight" / "heads" / "model.safetensors"))
     resumed = load_file(str(tmp_path / "resumed" / "heads" / "model.safetensors"))
@@ -92,7 +69,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_attention_adapter_trains_on_full_sequences_and_drafts_losslessly(tmp_path):
-    result = recipe().main(["--config", str(TINY), *overrides(tmp_path, "attn", **{
+    result = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "attn", **{
         "optim.max_steps": 12, "classifier.adapter": "attention", "classifier.adapter_heads": 2})])
     losses = [r["loss"] for r in result["history"]]
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
@@ -102,7 +79,7 @@ def test_attention_adapter_trains_on_full_sequences_and_drafts_losslessly(tmp_pa
     weights = load_file(str(heads / "model.safetensors"))
     assert weights["attention.o_proj.weight"].abs().sum() > 0  # zero init: the output projection did train
     assert not any(k.startswith("adapter.") for k in weights)
-    model, _ = T.load_base_model("tiny:llama", dtype=torch.float32)
+    model, _ = load_model("tiny:llama", dtype=torch.float32)
     drafter = make_drafter("early-exit", model, str(heads))
     assert drafter.hidden_layers == (config["exit_layer"],)
     ids = torch.tensor([[2, 40, 41, 42, 43]])
@@ -117,4 +94,4 @@ def test_attention_adapter_trains_on_full_sequences_and_drafts_losslessly(tmp_pa
 ])
 def test_bad_classifier_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):
-        T.load_config(recipe().EarlyExitRecipeConfig, TINY, override.split())
+        T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, override.split())

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from decoding import DraftTree, DrafterBase, generate, make_drafter
+from decoding import DrafterBase, DraftTree, generate, make_drafter
 from selfspec.testing import tiny_model
 
 

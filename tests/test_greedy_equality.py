@@ -13,8 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoding import DraftTree, EmptyDrafter, TreeTemplate, generate
-from decoding.testing import OracleDrafter, RandomDrafter
-from selfspec.testing import ARCHITECTURES, tiny_model
+from selfspec.testing import ARCHITECTURES, OracleDrafter, RandomDrafter, tiny_model
 
 VOCAB = 96
 

@@ -1,4 +1,4 @@
-"""selfspec.identity: recognising a base model again, and refusing heads trained for another one."""
+"""selfspec.runtime.identity: recognising a base model again, and refusing heads trained for another one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from selfspec.identity import BaseModelMismatchError, base_model_identity, check_base_model
+from selfspec.runtime.identity import BaseModelMismatchError, base_model_identity, check_base_model
 from selfspec.testing import tiny_model
 
 

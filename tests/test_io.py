@@ -1,4 +1,4 @@
-"""selfspec.io: atomic files and directories, including a writer killed with SIGKILL half-way."""
+"""selfspec.runtime.io: atomic files and directories, including a writer killed with SIGKILL half-way."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ import textwrap
 
 import pytest
 
-from selfspec.io import (MARKER, atomic_directory, atomic_write_bytes, atomic_write_text, file_lock, is_complete,
-                         remove_stale_temporaries)
+from selfspec.runtime.io import (
+    MARKER,
+    atomic_directory,
+    atomic_write_bytes,
+    atomic_write_text,
+    file_lock,
+    is_complete,
+    remove_stale_temporaries,
+)
 
 
 def _siblings(path):
@@ -68,7 +75,7 @@ def test_sigkill_mid_write_leaves_no_complete_directory_and_next_write_cleans_up
     final = tmp_path / "d"
     script = textwrap.dedent(f"""
         import os, signal
-        from selfspec.io import atomic_directory
+        from selfspec.runtime.io import atomic_directory
         with atomic_directory({str(final)!r}) as tmp:
             (tmp / "weights.bin").write_bytes(b"x" * 1000)
             os.kill(os.getpid(), signal.SIGKILL)

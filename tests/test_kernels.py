@@ -1,11 +1,11 @@
-"""selfspec.kernels: the oneDNN linear backend changes how matmuls run, never what the model is or decodes."""
+"""selfspec.runtime.kernels: the oneDNN linear backend changes how matmuls run, never what the model is or decodes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from selfspec.kernels import linear_backend, linear_backend_of, onednn_available, set_linear_backend
+from selfspec.runtime.kernels import linear_backend, linear_backend_of, onednn_available, set_linear_backend
 from selfspec.testing import assert_linear_backend_is_exact_and_lossless, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
@@ -17,7 +17,7 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
 def test_onednn_logits_match_stock_and_decoding_stays_lossless(arch, monkeypatch):
-    import selfspec.kernels as K
+    import selfspec.runtime.kernels as K
     calls = []
     kernel = K.onednn_linear
     monkeypatch.setattr(K, "onednn_linear", lambda *a: calls.append(1) or kernel(*a))
@@ -68,7 +68,7 @@ def test_switching_back_and_the_context_manager_restore_the_stock_forward():
 
 
 def test_bench_method_suffix_selects_a_backend():
-    from selfspec.bench_methods import BackendMethod, GenSettings, parse_method
+    from selfspec.bench.methods import BackendMethod, GenSettings, parse_method
 
     method = parse_method("vanilla@stock")
     assert isinstance(method, BackendMethod) and method.name == "vanilla@stock" and method.backend == "stock"
@@ -88,7 +88,7 @@ def test_bench_method_suffix_selects_a_backend():
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_dense_pointwise_kernel_equals_the_converting_one(rows, monkeypatch):
-    import selfspec.kernels as K
+    import selfspec.runtime.kernels as K
     if K._POINTWISE is None:
         pytest.skip("this PyTorch build has no mkldnn._linear_pointwise; only the converting kernel exists")
     weight, bias = torch.randn(40, 24), torch.randn(40)

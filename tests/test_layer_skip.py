@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.drafter import make_drafter
 from decoding.generate import generate
+from decoding.registry import make_drafter
 from early_exit import DraftPolicy, LayerSkipConfig, LayerSkipDrafter
-from early_exit.calibrate import calibration_set, chain_speedup
+from early_exit.estimates import calibration_set, chain_speedup
 from early_exit.layer_skip import search_skip_layers
-from selfspec.identity import base_model_identity
-from selfspec.testing import tiny_model
-from test_early_exit import LLAMA_FAMILY, prefilled_state, prompt, snapshot
+from selfspec.runtime.identity import base_model_identity
+from selfspec.testing import LLAMA_FAMILY, prefilled_state, random_prompt, snapshot, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,13 +34,13 @@ def test_unknown_draft_option_is_a_clear_error():
 def test_skipping_nothing_drafts_the_full_model():
     """With no layer skipped the draft is the base model itself: every draft token is accepted."""
     model = tiny_model("llama", dtype=torch.float64)
-    out = generate(model, LayerSkipDrafter(model, [], DraftPolicy.chain(4)), prompt(), max_new_tokens=30)
+    out = generate(model, LayerSkipDrafter(model, [], DraftPolicy.chain(4)), random_prompt(), max_new_tokens=30)
     assert out.stats.accepted_per_step[:-1] == [4] * (out.stats.steps - 1)
 
 
 def test_cache_is_unchanged_after_propose():
     model = tiny_model("qwen3", dtype=torch.float64)
-    state = prefilled_state(model, prompt(9))
+    state = prefilled_state(model, random_prompt(9))
     before = snapshot(state.cache)
     tree = LayerSkipDrafter(model, [2], DraftPolicy(max_depth=3, top_k=2, width=2, max_nodes=6)).propose(state)
     assert len(tree) > 1
@@ -53,7 +52,7 @@ def test_cache_is_unchanged_after_propose():
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
 def test_greedy_equality(arch, options):
     model = tiny_model(arch, dtype=torch.float64)
-    ids = prompt(7)
+    ids = random_prompt(7)
     expected = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0)
     out = generate(model, make_drafter("layer-skip", model, **options), ids, max_new_tokens=40)
     assert torch.equal(out.sequences, expected)
@@ -84,7 +83,7 @@ def test_search_finds_the_layers_that_do_nothing():
         for i in (2, 4):
             model.model.layers[i].self_attn.o_proj.weight.zero_()
             model.model.layers[i].mlp.down_proj.weight.zero_()
-    calibration = calibration_set(model, [prompt(6, seed=s) for s in range(3)], new_tokens=24)
+    calibration = calibration_set(model, [random_prompt(6, seed=s) for s in range(3)], new_tokens=24)
     skip, metrics = search_skip_layers(model, calibration, max_depth=4, max_skip=4)
     rounds = metrics["rounds"]
     assert [set(r["skip"]) for r in rounds[1:3]] in ([{2}, {2, 4}], [{4}, {2, 4}])
@@ -105,18 +104,18 @@ def test_search_script_saves_a_loadable_set(tmp_path):
 
 
 def _tiny_for_script():
-    from selfspec.training import load_base_model
+    from selfspec.runtime.models import load_model
 
-    return load_base_model("tiny:llama", dtype=torch.float32)[0]
+    return load_model("tiny:llama", dtype=torch.float32)[0]
 
 
 def test_agreement_is_exactly_the_first_draft_token():
     """The teacher-forced agreement sees what a real draft sees (the full model's KV of the prefix): scored
     against the drafter's own first tokens at every position, it is exactly 1."""
-    from early_exit.calibrate import Calibration, agreement
+    from early_exit.estimates import Calibration, agreement
 
     model = tiny_model("qwen2", dtype=torch.float64)
-    calibration = calibration_set(model, [prompt(5)], new_tokens=10)
+    calibration = calibration_set(model, [random_prompt(5)], new_tokens=10)
     ids, start = calibration.sequences[0], calibration.starts[0]
     skip = [1, 2]
     drafter = LayerSkipDrafter(model, skip, DraftPolicy.chain(1))

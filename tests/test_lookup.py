@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import decoding
-from decoding import DraftTree, LookupDrafter, combine, make_drafter, merge_trees
-from decoding.lookup import lookup_continuation
+from decoding import DraftTree, combine, make_drafter, merge_trees
+from lookup import LookupDrafter, lookup_continuation, lookup_continuations
 from medusa import MedusaDrafter, MedusaHeads
 from selfspec.testing import ARCHITECTURES, tiny_model
 
@@ -28,7 +28,6 @@ def test_lookup_takes_the_longest_then_most_recent_match():
 
 
 def test_several_candidates_come_from_distinct_earlier_occurrences():
-    from decoding.lookup import lookup_continuations
     from decoding.drafter import DecodeState, SamplingParams
     seq = torch.tensor([1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 4, 9, 1, 2])
     found = lookup_continuations(seq, max_ngram=2, min_ngram=1, num_tokens=2, num_candidates=3)
@@ -95,7 +94,7 @@ def test_greedy_equality_with_lookup_and_medusa_plus_lookup(arch, tmp_path):
 
 
 def test_combined_drafters_from_the_registry_and_the_benchmark(tmp_path):
-    from selfspec.bench_methods import GenSettings, parse_method
+    from selfspec.bench.methods import GenSettings, parse_method
 
     model = tiny_model("llama")
     MedusaHeads.for_model(model, num_heads=2).save_pretrained(tmp_path / "h")

@@ -14,19 +14,12 @@ import medusa
 from decoding import DecodeState, SamplingParams, TreeTemplate, make_drafter
 from medusa import MedusaConfig, MedusaDrafter, MedusaHeads, default_tree, expected_accept_length
 from medusa.trees import prior_accuracy
-from selfspec.identity import BaseModelMismatchError
-from selfspec.testing import tiny_model
+from selfspec.runtime.identity import BaseModelMismatchError
+from selfspec.testing import randomize_heads, tiny_model
 
 HIDDEN, VOCAB = 32, 96  # selfspec.testing's tiny models
 
 
-def randomize(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> MedusaHeads:
-    """Non-zero ResBlock weights (deterministic), so heads differ from the base LM head and from each other."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
-    return heads
 
 
 def last_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -86,7 +79,7 @@ def test_zero_init_heads_equal_base_prediction(tiny_arch, share):
 
 
 def test_heads_shapes_parameters_and_partial_heads(tiny_llama64):
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=4, num_layers=2))
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=4, num_layers=2))
     # Shared LM head: the heads' own ResBlocks are all there is to train and save.
     assert {n for n, _ in heads.named_parameters()} == {"resblock_weight", "resblock_bias"}
     assert sum(p.numel() for p in heads.parameters()) == 4 * 2 * (HIDDEN * HIDDEN + HIDDEN)
@@ -125,7 +118,7 @@ def test_for_model_rejects_fields_read_from_the_model(tiny_llama64):
 def test_save_load_round_trip(tmp_path, tiny_llama64, share):
     config = dict(num_heads=3, num_layers=2, share_lm_head=share, head_accuracy=[[0.6, 0.2], [0.4, 0.1], [0.3, 0.1]],
                   tree=[[0], [1], [0, 0]], training={"command": "accelerate launch train/medusa.py", "lr": 1e-3})
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, **config))
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, **config))
     out = tmp_path / "heads"
     heads.save_pretrained(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]  # no temporary directory left behind
@@ -138,7 +131,7 @@ def test_save_load_round_trip(tmp_path, tiny_llama64, share):
     hidden = last_hidden(tiny_llama64, torch.tensor([[1, 2, 3, 4]]))
     torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)
     # Saving again replaces the directory in place.
-    randomize(heads, seed=1).save_pretrained(out)
+    randomize_heads(heads, seed=1).save_pretrained(out)
     torch.testing.assert_close(MedusaHeads.from_pretrained(out, tiny_llama64)(hidden), heads(hidden), rtol=0, atol=0)
 
 
@@ -228,7 +221,7 @@ def _state(model, ids: torch.Tensor) -> DecodeState:
 
 @pytest.mark.parametrize("tree", [None, 8, [[0], [0, 0], [0, 0, 0], [1], [1, 0], [2]], "[[0], [1], [0, 1]]"])
 def test_drafter_proposes_each_heads_top_k_in_the_tree(tiny_llama64, tree):
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=3, num_layers=1))
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=3, num_layers=1))
     drafter = MedusaDrafter(heads, tree=tree)
     assert drafter.hidden_layers == (-1,)
     ids = torch.tensor([[1, 7, 3, 11, 5]])
@@ -246,7 +239,7 @@ def test_drafter_proposes_each_heads_top_k_in_the_tree(tiny_llama64, tree):
 
 
 def test_reduced_draft_vocabulary(tiny_llama64, tmp_path):
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=2, draft_vocab_size=40))
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=2, draft_vocab_size=40))
     vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]
     heads.set_draft_vocab(vocab)
     drafter = MedusaDrafter(heads, tree=[[0], [1], [2], [0, 0], [0, 1]])
@@ -274,12 +267,12 @@ def test_reduced_draft_vocabulary(tiny_llama64, tmp_path):
 
 def test_greedy_equality_with_a_reduced_draft_vocabulary():
     model = tiny_model("llama", dtype=torch.float64)
-    heads = randomize(MedusaHeads.for_model(model, num_heads=3, draft_vocab_size=48), scale=0.5, seed=3)
+    heads = randomize_heads(MedusaHeads.for_model(model, num_heads=3, draft_vocab_size=48), scale=0.5, seed=3)
     heads.set_draft_vocab(torch.arange(VOCAB - 1, VOCAB - 49, -1))
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         out = decoding.generate(model, MedusaDrafter(heads, tree=TREES["wide41"]), ids, max_new_tokens=24)
-        assert out.sequences.tolist() == _greedy_reference(model, ids, 24).tolist()
+        assert out.sequences.tolist() == greedy_reference(model, ids, 24).tolist()
 
 
 def test_resolve_tree(tiny_llama64, tmp_path):
@@ -302,7 +295,7 @@ def test_resolve_tree(tiny_llama64, tmp_path):
 
 
 def test_dynamic_tree_keeps_the_most_confident_nodes(tiny_llama64):
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=3), scale=0.5, seed=5)
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=3), scale=0.5, seed=5)
     drafter = MedusaDrafter(heads, tree=24, dynamic=7)
     pool = drafter.template
     state = _state(tiny_llama64, torch.tensor([[1, 7, 3, 11, 5]]))
@@ -348,17 +341,17 @@ TREES = {"chain3": TreeTemplate.chain(3).choices, "default16": 16,
 PROMPTS = ([1, 17, 4, 33, 8], [1, 60, 61, 2, 9, 9, 40, 12, 3])
 
 
-def _greedy_reference(model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def greedy_reference(model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                           min_new_tokens=max_new_tokens, pad_token_id=0)
 
 
 def test_greedy_equality(tiny_arch):
     model = tiny_model(tiny_arch, dtype=torch.float64)
-    heads = randomize(MedusaHeads.for_model(model, num_heads=3), scale=0.5, seed=3)
+    heads = randomize_heads(MedusaHeads.for_model(model, num_heads=3), scale=0.5, seed=3)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
-        reference = _greedy_reference(model, ids, 24).tolist()
+        reference = greedy_reference(model, ids, 24).tolist()
         for name, tree in TREES.items():
             drafter = (MedusaDrafter(heads, tree=TREES["wide41"], dynamic=12) if name == "dynamic12of41"
                        else MedusaDrafter(heads, tree=tree))
@@ -370,7 +363,7 @@ def test_greedy_equality(tiny_arch):
 
 
 def test_sampling_and_streaming(tiny_llama64):
-    heads = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=3), scale=0.5, seed=3)
+    heads = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=3), scale=0.5, seed=3)
     drafter = MedusaDrafter(heads, tree=TREES["wide41"])
     ids = torch.tensor([PROMPTS[0]])
     runs = [decoding.generate(tiny_llama64, drafter, ids, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=20,
@@ -399,10 +392,10 @@ def test_sampling_and_streaming(tiny_llama64):
 @pytest.mark.parametrize("lookup", [True, False])
 def test_demo_on_a_tiny_model(tmp_path, capsys, lookup):
     from selfspec.cli import main
-    from selfspec.training import load_base_model
+    from selfspec.runtime.models import load_model
 
-    model, _ = load_base_model("tiny:llama")
-    randomize(MedusaHeads.for_model(model, num_heads=2), scale=0.05).save_pretrained(tmp_path / "h")
+    model, _ = load_model("tiny:llama")
+    randomize_heads(MedusaHeads.for_model(model, num_heads=2), scale=0.05).save_pretrained(tmp_path / "h")
     rc = main(["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "h"), "--max-new-tokens", "12",
                "--threads", "1", "--tree", "8"] + ([] if lookup else ["--no-lookup"]))
     out = capsys.readouterr().out
@@ -413,11 +406,11 @@ def test_demo_on_a_tiny_model(tmp_path, capsys, lookup):
 
 def test_demo_errors(tmp_path, capsys):
     from selfspec.cli import main
-    from selfspec.training import load_base_model
+    from selfspec.runtime.models import load_model
 
     assert main(["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "none")]) == 2
     assert "no Medusa heads at" in capsys.readouterr().err
-    other, _ = load_base_model("tiny:qwen2")
+    other, _ = load_model("tiny:qwen2")
     MedusaHeads.for_model(other).save_pretrained(tmp_path / "q")
     assert main(["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "q")]) == 2
     assert "were trained for" in capsys.readouterr().err

@@ -14,29 +14,12 @@ import decoding
 from decoding import DecodeState, SamplingParams
 from medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from medusa.heads import path_tokens
-from selfspec.attention import LayerCache, rotary_of
-from selfspec.testing import tiny_model
-
-from test_medusa_sequential import TREES, _greedy_reference, randomize, sequential_heads
+from selfspec.runtime.attention import LayerCache, rotary_of
+from selfspec.testing import MEDUSA_TEST_TREES, greedy_reference, prefix_heads, randomize_heads, tiny_model
 
 VOCAB = 96
 
 
-def prefix_heads(model, seed: int = 0, sequential: bool = True, mlp: int = 24, **overrides) -> MedusaHeads:
-    """Heads with a random, clearly non-identity prefix block (its zero-initialised projections randomised too)."""
-    if sequential:
-        heads = sequential_heads(model, seed=seed, prefix_attention=True, prefix_mlp_size=mlp, **overrides)
-    else:
-        overrides = {"num_heads": 3, **overrides}
-        heads = randomize(MedusaHeads.for_model(model, prefix_attention=True, prefix_mlp_size=mlp, **overrides),
-                          scale=0.1, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in heads.prefix.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * p.shape[-1] ** -0.5)
-        heads.prefix.token_proj.weight.mul_(10.0)  # the tiny models' embeddings are ~0.1 in norm
-    return heads
 
 
 def reference_block(heads: MedusaHeads, model, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -81,7 +64,7 @@ def test_config_errors_and_construction(tiny_llama64):
 
 @pytest.mark.parametrize("sequential", [False, True])
 def test_untrained_prefix_block_is_the_identity(tiny_llama64, sequential):
-    plain = randomize(MedusaHeads.for_model(tiny_llama64, num_heads=3, sequential=sequential), scale=0.1)
+    plain = randomize_heads(MedusaHeads.for_model(tiny_llama64, num_heads=3, sequential=sequential), scale=0.1)
     with_prefix = MedusaHeads.for_model(tiny_llama64, num_heads=3, sequential=sequential, prefix_attention=True,
                                         prefix_mlp_size=16)
     with_prefix.load_state_dict(plain.state_dict(), strict=False)
@@ -124,7 +107,7 @@ def test_incremental_decoding_equals_the_whole_sequence(tiny_llama64):
 
 def test_drafter_starts_from_the_block_output_and_keeps_its_cache_in_step(tiny_llama64):
     heads = prefix_heads(tiny_llama64, seed=3, num_heads=4)
-    drafter = MedusaDrafter(heads, tree=TREES["branchy"])
+    drafter = MedusaDrafter(heads, tree=MEDUSA_TEST_TREES["branchy"])
     ids = torch.tensor([[1, 7, 3, 11, 5, 20, 9]])
     with torch.no_grad():
         hidden = tiny_llama64(ids, output_hidden_states=True).hidden_states[-1]
@@ -159,9 +142,9 @@ def test_greedy_equality(tiny_arch, sequential):
     accepted = 0
     for prompt, new in (([1, 17, 4, 33, 8], 24), ([1, 60, 61, 2, 9, 9, 40, 12, 3], 17), ([5], 9)):
         ids = torch.tensor([prompt])
-        reference = _greedy_reference(model, ids, new).tolist()
+        reference = greedy_reference(model, ids, new).tolist()
         for name in ("chain4" if sequential else "full3x3x2", "branchy", "wide"):
-            tree = TREES[name]
+            tree = MEDUSA_TEST_TREES[name]
             if not sequential:
                 tree = [path for path in (tree if isinstance(tree, list) else []) if len(path) <= 3] or 8
             drafter = MedusaDrafter(heads, tree=tree)

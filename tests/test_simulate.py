@@ -1,4 +1,4 @@
-"""selfspec.simulate: replaying a drafter against the greedy continuation gives exactly the steps real greedy
+"""selfspec.bench.replay: replaying a drafter against the greedy continuation gives exactly the steps real greedy
 speculative decoding takes (same tau, same per-step accepted counts), for static, dynamic and combined drafters."""
 
 from __future__ import annotations
@@ -7,15 +7,12 @@ import pytest
 import torch
 
 import decoding
-from decoding.lookup import LookupDrafter, combine
-from decoding.testing import RandomDrafter
+from decoding import combine
 from decoding.tree import DraftTree
+from lookup import LookupDrafter
 from medusa import MedusaDrafter
-from selfspec.simulate import make_references, matched_path, replay
-from selfspec.testing import tiny_model
-
-from test_medusa_prefix import prefix_heads
-from test_medusa_sequential import sequential_heads
+from selfspec.bench.replay import make_references, matched_path, replay
+from selfspec.testing import RandomDrafter, prefix_heads, sequential_heads
 
 
 def test_matched_path_follows_the_target_through_the_tree():

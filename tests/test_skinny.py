@@ -1,4 +1,4 @@
-"""selfspec.skinny: the skinny-GEMM kernel computes F.linear for every shape it takes, and decoding on it stays
+"""selfspec.runtime.skinny: the skinny-GEMM kernel computes F.linear for every shape it takes, and decoding on it stays
 lossless. The kernel is compiled once per machine (first use, about a minute); these tests share one xdist group so
 that one worker builds it while the other goes on with the rest of the suite."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec import skinny
-from selfspec.kernels import linear_backend_of, set_linear_backend
+from selfspec.runtime import skinny
+from selfspec.runtime.kernels import linear_backend_of, set_linear_backend
 from selfspec.testing import assert_linear_backend_is_exact_and_lossless, tiny_model
 
 pytestmark = pytest.mark.xdist_group("skinny")

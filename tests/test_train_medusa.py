@@ -3,7 +3,6 @@ training, 1 vs 2 processes, and kill -9 + --resume."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import medusa.recipe as medusa_recipe
+from selfspec.runtime.models import load_model
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train/medusa.py"
 TINY = ROOT / "configs/medusa/tiny.yaml"
@@ -21,11 +23,7 @@ TINY = ROOT / "configs/medusa/tiny.yaml"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("recipe_medusa", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return medusa_recipe
 
 
 def conversations(path: Path, n: int, seed: int = 0) -> Path:
@@ -97,7 +95,7 @@ def test_main_saves_loadable_heads_with_accuracies(recipe, tmp_path):
     data = conversations(tmp_path / "d.jsonl", 10)
     metrics = recipe.main(args(tmp_path, data, "optim.max_steps=3"))
     heads_dir = tmp_path / "run" / "heads"
-    model, _ = recipe.T.load_base_model("tiny:llama")
+    model, _ = load_model("tiny:llama")
     heads = MedusaHeads.from_pretrained(heads_dir, model)
     torch.testing.assert_close(torch.tensor(heads.config.head_accuracy), torch.tensor(metrics["head_accuracy"]))
     assert len(heads.config.head_accuracy) == 3 and all(len(row) == 10 for row in heads.config.head_accuracy)
@@ -110,11 +108,11 @@ def test_main_saves_loadable_heads_with_accuracies(recipe, tmp_path):
 def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_losslessly(recipe, tmp_path, capsys):
     import decoding
     import medusa
-    from selfspec.identity import BaseModelMismatchError
-    from selfspec.models import load_model
+    from selfspec.runtime.identity import BaseModelMismatchError
+    from selfspec.runtime.models import load_model
 
     # A local base directory, so that the heads record a name load_model can resolve again.
-    base, tokenizer = recipe.T.load_base_model("tiny:llama")
+    base, tokenizer = load_model("tiny:llama")
     base_dir = tmp_path / "base"
     base.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
@@ -132,7 +130,7 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
     plain, _ = load_model(str(base_dir))
     with pytest.raises(BaseModelMismatchError, match="LoRA adapter.*load_model"):
         medusa.load(plain, heads_dir)
-    other, _ = recipe.T.load_base_model("tiny:qwen2")
+    other, _ = load_model("tiny:qwen2")
     with pytest.raises(BaseModelMismatchError):
         medusa.load(other, heads_dir, merge_adapter=True)
 
@@ -149,7 +147,7 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
 
     # The command line needs no --model: Medusa-2 heads name the adapted model they decode.
     from selfspec.cli import main as cli
-    from selfspec.prompts import encode_prompt
+    from selfspec.runtime.prompts import encode_prompt
     assert cli(["generate", "--draft", "medusa", "--heads", str(heads_dir), "--prompt", "say 3", "--max-new-tokens",
                 "10", "--json"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -169,7 +167,7 @@ def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_
     from medusa.heads import MedusaHeads
     data = conversations(tmp_path / "d.jsonl", 10)
     metrics = recipe.main(args(tmp_path, data, "optim.max_steps=2", "heads.draft_vocab_size=30"))
-    model, tokenizer = recipe.T.load_base_model("tiny:llama")
+    model, tokenizer = load_model("tiny:llama")
     heads = MedusaHeads.from_pretrained(tmp_path / "run" / "heads", model)
     trained = {t for line in data.read_text().splitlines()
                for t in tokenizer(json.loads(line)["conversations"][1]["value"])["input_ids"]}
@@ -203,7 +201,7 @@ def assert_lossless_tiny_llama(recipe, heads_dir):
     """Saved heads decode the tiny Llama exactly as its own greedy ``generate``; returns the drafter."""
     import decoding
     import medusa
-    model, _ = recipe.T.load_base_model("tiny:llama")
+    model, _ = load_model("tiny:llama")
     drafter = medusa.load(model, heads_dir, tree=8)
     ids = torch.tensor([[1, 17, 4, 33, 8]])
     out = decoding.generate(model, drafter, ids, max_new_tokens=20)
@@ -345,7 +343,7 @@ runpy.run_path({script!r}, run_name="__main__")
 
 @pytest.mark.slow
 def test_kill_9_then_resume_ends_with_the_same_heads(tmp_path):
-    from selfspec.io import is_complete
+    from selfspec.runtime.io import is_complete
     data = conversations(tmp_path / "d.jsonl", 14)
     common = ["optim.max_steps=6", "optim.schedule=cosine", "optim.warmup_steps=1", "logging.save_every=2",
               "data.eval_samples=2"]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from selfspec.data import collate
+from selfspec.training.data import collate
 
 
 class _Stop(Exception):
@@ -93,8 +93,8 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     """
     from safetensors.torch import load_file, save
 
-    from selfspec.identity import base_model_identity
-    from selfspec.io import atomic_write_bytes
+    from selfspec.runtime.identity import base_model_identity
+    from selfspec.runtime.io import atomic_write_bytes
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.data import collate
-from selfspec.training import checkpoints
+from selfspec.runtime.models import load_model
+from selfspec.training import checkpoints, session
 from selfspec.training import config as C
-from selfspec.training import runtime
+from selfspec.training.data import collate
 
 
 class Recipe:
@@ -80,11 +80,11 @@ class Recipe:
     def setup_data(self):
         """The accelerator, the frozen base model and its tokenizer, the train/eval examples and the pad id."""
         cfg = self.cfg
-        self.accelerator = runtime.make_accelerator(self.output_dir, cfg.logging.report_to,
+        self.accelerator = session.make_accelerator(self.output_dir, cfg.logging.report_to,
                                                     cfg.optim.gradient_accumulation_steps, cfg.seed)
-        self.base, self.tokenizer = runtime.load_base_model(cfg.model)
+        self.base, self.tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).eval()
-        self.train_examples, self.eval_examples = runtime.prepare_examples(
+        self.train_examples, self.eval_examples = session.prepare_examples(
             cfg.data, self.base, self.tokenizer, self.output_dir / "data", self.accelerator, cfg.seed)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
@@ -154,7 +154,7 @@ class Recipe:
         started = time.time()
         while self.step < self.total_steps:
             batches = [self.make_batch(ix) for ix in self._step_batches(self.step)]
-            denominators = runtime.global_mean_denominator(acc, torch.as_tensor(sum(self.counts(b) for b in batches)))
+            denominators = session.global_mean_denominator(acc, torch.as_tensor(sum(self.counts(b) for b in batches)))
             loss_sum, step_terms = 0.0, []
             for m, batch in enumerate(batches):
                 # DDP all-reduces the gradients once per optimizer step, in the backward of its last micro-batch.
@@ -209,11 +209,11 @@ class Recipe:
     @contextlib.contextmanager
     def exported_backbone_adapter(self):
         """``(staging, spec, merged model)``: the LoRA adapter saved into a temporary directory under
-        ``output_dir`` and merged into the base (``selfspec.adapters.export_backbone_adapter``), so that
+        ``output_dir`` and merged into the base (``selfspec.runtime.adapters.export_backbone_adapter``), so that
         ``save_pretrained(..., backbone_adapter=staging)`` writes it with the heads in one atomic step."""
         import tempfile
 
-        from selfspec.adapters import export_backbone_adapter
+        from selfspec.runtime.adapters import export_backbone_adapter
 
         with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
             spec, merged = export_backbone_adapter(self.peft, staging)

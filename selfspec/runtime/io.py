@@ -23,6 +23,11 @@ _TMP_INFIX = ".tmp-"
 _OLD_INFIX = ".old-"
 
 
+def cache_home() -> Path:
+    """``$SELFSPEC_HOME``, or ``~/.cache/selfspec``: converted models, built kernels, downloaded wheels."""
+    return Path(os.environ.get("SELFSPEC_HOME") or Path.home() / ".cache" / "selfspec").expanduser()
+
+
 def is_complete(directory: str | os.PathLike, *, check_sizes: bool = False) -> bool:
     """Whether ``directory`` was finished by ``atomic_directory`` (its marker exists).
 

@@ -15,7 +15,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfspec.models import DEFAULT_MODEL, cache_home, list_models, resolve_model
+    from selfspec.runtime.models import DEFAULT_MODEL, cache_home, list_models, resolve_model
 
     for name in args.prepare:
         print(f"{name}: ready in {resolve_model(name)}")

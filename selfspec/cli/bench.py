@@ -6,9 +6,10 @@ import argparse
 
 import torch
 
-from ..bench import eos_of, environment, load_model, load_prompts, run_benchmark, summarize
-from ..bench_methods import GenSettings, parse_method
-from ..bench_report import markdown_table, write_results
+from selfspec.bench.methods import GenSettings, parse_method
+from selfspec.bench.report import markdown_table, write_results
+from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
+from selfspec.runtime.models import is_test_model, load_model
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,16 +24,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
-    from ..kernels import BACKENDS
+    from selfspec.runtime.kernels import BACKENDS
     parser.add_argument("--linear-backend", default="auto", choices=list(BACKENDS),
-                        help="kernels for the linear layers (selfspec.kernels): stock, onednn, or skinny (this "
+                        help="kernels for the linear layers (selfspec.runtime.kernels): stock, onednn, or skinny (this "
                              "project's, built for the CPU on first use); auto (default) times each on this machine "
                              "and keeps the fastest")
 
 
 def apply_backend(model, args: argparse.Namespace) -> str:
     """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
-    from ..kernels import set_linear_backend
+    from selfspec.runtime.kernels import set_linear_backend
     backend = set_linear_backend(model, args.linear_backend)
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else ""), flush=True)
     return backend
@@ -65,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     methods = [parse_method(s) for s in specs]  # fail on a bad spec before loading anything
     model, tokenizer = load_model(args.model)
     backend = apply_backend(model, args)
-    prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed)
+    prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed,
+                           synthetic=is_test_model(args.model))
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer), args.temperature, args.top_k, args.top_p,
                            args.seed)
     bench_run = run_benchmark(model, prompts, methods, settings, warmup_tokens=args.warmup_tokens,

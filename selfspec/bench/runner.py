@@ -2,8 +2,8 @@
 summarise speed and the lossless check against ``vanilla``.
 
 Everything is injectable: pass any model, a list of ``[1, seq]`` prompt tensors and ``Method`` objects to
-``run_benchmark``; ``load_inputs`` is only the command line's way of getting them (``tiny:ARCH`` models take
-synthetic prompts of random ids, since they have no tokenizer).
+``run_benchmark``; ``load_prompts`` is only the command line's way of getting them (``tiny:ARCH`` test models take
+synthetic prompts of random ids when no prompts file is given).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .bench_methods import Generation, GenSettings, Method, parse_method
+from selfspec.bench.methods import Generation, GenSettings, Method, parse_method
+from selfspec.runtime.prompts import encode_prompt, read_prompts
 
 REFERENCE = "vanilla"
 #: a divergence where vanilla's top-2 logits are closer than this is fp32 rounding, not a bug
@@ -27,17 +28,6 @@ class Prompt:
     input_ids: torch.Tensor  # [1, seq]
 
 
-def load_model(name: str) -> tuple[Any, Any]:
-    """``(model, tokenizer)``; ``tiny:ARCH`` is a random tiny model from ``selfspec.testing`` with no tokenizer."""
-    if name.startswith("tiny:"):
-        from .testing import tiny_model
-
-        return tiny_model(name.split(":", 1)[1]), None
-    from .models import load_model as load_named_model
-
-    return load_named_model(name)
-
-
 def synthetic_prompts(vocab_size: int, count: int, *, seed: int = 0, min_len: int = 4,
                       max_len: int = 16) -> list[Prompt]:
     """``count`` prompts of random token ids (ids 0 and 1 are left out: pad / bos in the tiny configs)."""
@@ -47,20 +37,17 @@ def synthetic_prompts(vocab_size: int, count: int, *, seed: int = 0, min_len: in
             for i, n in enumerate(lengths)]
 
 
-def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_size: int,
-                 seed: int = 0) -> list[Prompt]:
-    """Prompts from a Spec-Bench JSONL file (first turn, chat template), or synthetic ones without a tokenizer.
+def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_size: int, seed: int = 0,
+                 synthetic: bool = False) -> list[Prompt]:
+    """Prompts from a Spec-Bench JSONL file (first turn, chat template); without a file, for a model without a
+    tokenizer or with ``synthetic`` (tiny test models: ``is_test_model``), ``limit or 4`` prompts of random ids.
 
     Raises:
-        ValueError: a prompts file for a model without a tokenizer, or no prompts file for one with a tokenizer.
+        ValueError: no prompts file for a real model.
     """
-    from .prompts import encode_prompt, read_prompts
-
-    if tokenizer is None:
-        if path:
-            raise ValueError("this model has no tokenizer (a tiny test model): omit --prompts to use random ids")
-        return synthetic_prompts(vocab_size, limit or 4, seed=seed)
     if not path:
+        if synthetic or tokenizer is None:
+            return synthetic_prompts(vocab_size, limit or 4, seed=seed)
         raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
     return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"])) for p in read_prompts(path, limit)]
 

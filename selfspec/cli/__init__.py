@@ -1,4 +1,4 @@
-"""The ``selfspec`` command. Each subcommand lives in ``selfspec/commands/<name>.py`` and exposes
+"""The ``selfspec`` command. Each subcommand lives in ``selfspec/cli/<name>.py`` and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed args)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Order is the order of ``selfspec --help``. A module that is missing is simply not offered.
-COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate")
+COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,9 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"selfspec.commands.{name}")
+            module = importlib.import_module(f"selfspec.cli.{name}")
         except ModuleNotFoundError as e:
-            if e.name == f"selfspec.commands.{name}":
+            if e.name == f"selfspec.cli.{name}":
                 continue
             raise
         module.register(sub)
@@ -35,6 +35,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"selfspec {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,11 @@
-"""The skinny-GEMM kernel (``selfspec/csrc/skinny_linear.cpp``): float32 linear layers for the 1 to ~24 rows of a
+"""The skinny-GEMM kernel (``selfspec/runtime/csrc/skinny_linear.cpp``): float32 linear layers for the 1 to ~24 rows of a
 decode step, compiled for this CPU on first use.
 
 The extension is built with PyTorch's ``cpp_extension`` (a C++ compiler and ``ninja`` are needed) into
 ``$SELFSPEC_HOME/kernels/skinny-<key>``, where the key covers the source, the compiler flags, the PyTorch version and
 the CPU's feature flags (``-march=native`` code must never run on another CPU). Concurrent first uses wait for one
 build (PyTorch's build lock). Where it cannot be built, ``available()`` is False, ``unavailable_reason()`` says why,
-and ``selfspec.kernels`` keeps its other backends.
+and ``selfspec.runtime.kernels`` keeps its other backends.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from selfspec.runtime.io import cache_home
 
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
@@ -52,7 +54,6 @@ def build_key() -> str:
 def _build():
     from torch.utils import cpp_extension
 
-    from .models import cache_home
 
     directory = cache_home() / "kernels" / f"skinny-{build_key()}"
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,9 @@ import yaml
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from .bench import BenchRun, eos_of, load_model, load_prompts, run_benchmark, summarize
-from .bench_methods import GenSettings, parse_method
+from selfspec.bench.methods import GenSettings, parse_method
+from selfspec.bench.runner import BenchRun, eos_of, load_prompts, run_benchmark, summarize
+from selfspec.runtime.models import is_test_model, load_model
 
 #: every key a cell understands, with its default
 CELL_DEFAULTS: dict[str, Any] = {
@@ -119,7 +120,8 @@ class _Inputs:
         if key not in self.prompts:
             model, tokenizer = self.model(cell["model"])
             self.prompts[key] = load_prompts(tokenizer, cell["prompts"], cell["limit"],
-                                             vocab_size=model.config.vocab_size, seed=cell["seed"])
+                                             vocab_size=model.config.vocab_size, seed=cell["seed"],
+                                             synthetic=is_test_model(cell["model"]))
         return self.prompts[key]
 
 

@@ -4,7 +4,7 @@
 Built in: ``vanilla`` (HF greedy ``generate``, the baseline), ``hf-pld[:N]`` (HF prompt lookup, N draft tokens),
 ``hf-early-exit:E`` (HF ``assistant_early_exit=E``). Every drafter in ``decoding.available_drafters()`` is a method
 too (``none``, ``medusa:DIR``, ``early-exit:DIR``, ``layer-skip:DIR``...), run through ``decoding.generate``. Any
-spec may end in ``@stock`` / ``@onednn`` to run on that linear backend (``selfspec.kernels``) instead of the run's.
+spec may end in ``@stock`` / ``@onednn`` to run on that linear backend (``selfspec.runtime.kernels``) instead of the run's.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
 
 
 def available_methods() -> list[str]:
-    from decoding.drafter import available_drafters
+    from decoding.registry import available_drafters
 
     return sorted(set(_METHODS) | set(available_drafters()))
 
@@ -78,11 +78,11 @@ def parse_method(spec: str, **options: Any) -> Method:
         KeyError: unknown method name (the message lists the known ones).
         ValueError: a malformed argument, such as a non-integer exit layer.
     """
-    from decoding.drafter import available_drafters
+    from decoding.registry import available_drafters
 
     body, at, backend = spec.strip().rpartition("@") if "@" in spec else (spec.strip(), "", "")
     if at:
-        from .kernels import BACKENDS
+        from selfspec.runtime.kernels import BACKENDS
         if backend not in BACKENDS:
             raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
                              f"(choose one of {', '.join(BACKENDS)})")
@@ -103,14 +103,14 @@ def parse_method(spec: str, **options: Any) -> Method:
 
 
 class BackendMethod:
-    """``METHOD@BACKEND``: ``METHOD`` with the model's linear layers on another backend (``selfspec.kernels``) for
+    """``METHOD@BACKEND``: ``METHOD`` with the model's linear layers on another backend (``selfspec.runtime.kernels``) for
     the duration of each generation, e.g. ``vanilla@stock`` beside a run on oneDNN."""
 
     def __init__(self, name: str, inner: Method, backend: str):
         self.name, self.inner, self.backend = name, inner, backend
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-        from .kernels import linear_backend
+        from selfspec.runtime.kernels import linear_backend
         with linear_backend(model, self.backend):
             return self.inner.generate(model, input_ids, settings)
 
@@ -193,7 +193,7 @@ class DrafterMethod:
         self._built: tuple[Any, Any] | None = None  # (model, drafter)
 
     def drafter(self, model: Any) -> Any:
-        from decoding.drafter import make_combined, make_drafter
+        from decoding.registry import make_combined, make_drafter
 
         if self._built is None or self._built[0] is not model:
             built = (make_combined(self.parts, model, self.options) if self.parts

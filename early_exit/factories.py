@@ -1,14 +1,12 @@
-"""Factories behind ``--draft early-exit`` and ``--draft layer-skip`` (``make_drafter(name, model, heads, **options)``)."""
+"""Factories behind ``--draft early-exit`` and ``--draft layer-skip`` (``make_drafter(name, model, heads_dir, **options)``),
+registered under the ``selfspec.drafters`` entry points in pyproject.toml."""
 
 from __future__ import annotations
 
-from decoding.drafter import register_drafter
-
-from .classifier import ExitClassifier, new_classifier
-from .drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
-from .layer_skip import LayerSkipConfig, default_skip_layers
-from .layers import check_supported
-
+from early_exit.classifier import ExitClassifier, new_classifier
+from early_exit.drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
+from early_exit.layer_skip import LayerSkipConfig, default_skip_layers
+from early_exit.layers import check_supported
 
 POLICY_OPTIONS = ("max_depth", "top_k", "width", "max_nodes", "threshold")
 
@@ -29,43 +27,41 @@ def _build_policy(max_depth: int = 6, top_k: int = 1, width: int | None = None, 
     return DraftPolicy(max_depth=max_depth, top_k=top_k, width=width, max_nodes=max_nodes, threshold=threshold)
 
 
-@register_drafter("early-exit")
-def make_early_exit_drafter(model, heads: str | None = None, *, exit_layer: int | None = None,
+def make_early_exit_drafter(model, heads_dir: str | None = None, *, exit_layer: int | None = None,
                             merge_adapter: bool = False, **policy) -> EarlyExitDrafter:
-    """A trained classifier from ``heads``, or the training-free one (base norm + LM head) at ``exit_layer``
+    """A trained classifier from ``heads_dir``, or the training-free one (base norm + LM head) at ``exit_layer``
     (default: half the layers). ``policy``: max_depth, top_k, width, max_nodes, threshold (see DraftPolicy).
 
     A classifier trained with a backbone adapter (LayerSkip) needs the adapted model; with ``merge_adapter`` the
     plain base is accepted and the adapter is merged into ``model`` in place.
 
     Raises:
-        ValueError: unsupported model, exit layer outside 1..L-1, both ``heads`` and a different ``exit_layer``.
-        selfspec.identity.BaseModelMismatchError: a classifier for another base model, or for the adapted model
+        ValueError: unsupported model, exit layer outside 1..L-1, both ``heads_dir`` and a different ``exit_layer``.
+        selfspec.runtime.identity.BaseModelMismatchError: a classifier for another base model, or for the adapted model
             and ``model`` is the plain base without ``merge_adapter``.
-        FileNotFoundError: ``heads`` is not a classifier directory.
+        FileNotFoundError: ``heads_dir`` is not a classifier directory.
     """
     check_supported(model)
-    if heads is not None:
-        classifier = ExitClassifier.from_pretrained(heads, model, merge_adapter=merge_adapter)
+    if heads_dir is not None:
+        classifier = ExitClassifier.from_pretrained(heads_dir, model, merge_adapter=merge_adapter)
         if exit_layer is not None and exit_layer != classifier.exit_layer:
-            raise ValueError(f"{heads} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
+            raise ValueError(f"{heads_dir} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
     else:
         classifier = new_classifier(model, exit_layer if exit_layer is not None else len(model.model.layers) // 2)
     return EarlyExitDrafter(model, classifier, _policy(**{**classifier.config.policy, **policy}))
 
 
-@register_drafter("layer-skip")
-def make_layer_skip_drafter(model, heads: str | None = None, *, skip_layers: list[int] | None = None,
+def make_layer_skip_drafter(model, heads_dir: str | None = None, *, skip_layers: list[int] | None = None,
                             **policy) -> LayerSkipDrafter:
-    """The skip set searched into ``heads``, or ``skip_layers``, or every other layer of the second half.
+    """The skip set searched into ``heads_dir``, or ``skip_layers``, or every other layer of the second half.
 
     Raises:
         ValueError: unsupported model, bad layer indices, or a set searched on another base model.
-        FileNotFoundError: ``heads`` is not a layer-skip directory.
+        FileNotFoundError: ``heads_dir`` is not a layer-skip directory.
     """
     check_supported(model)
-    if heads is not None and skip_layers is None:
-        config = LayerSkipConfig.load(heads, model)
+    if heads_dir is not None and skip_layers is None:
+        config = LayerSkipConfig.load(heads_dir, model)
         skip_layers, policy = config.skip_layers, {**config.policy, **policy}
     if skip_layers is None:
         skip_layers = default_skip_layers(len(model.model.layers))

@@ -8,7 +8,7 @@ these shapes, so the backend decides whether a 4-node tree costs 1.5x or 1.1x on
 
 ``set_linear_backend(model, "onednn")`` makes every float32 ``nn.Linear`` of ``model`` run through oneDNN
 (``torch._C._nn.mkldnn_linear``) when gradients are off; training, other dtypes and other devices keep the stock
-path. ``"skinny"`` runs them through this project's own kernel (``selfspec.skinny``, compiled for the CPU on first
+path. ``"skinny"`` runs them through this project's own kernel (``selfspec.runtime.skinny``, compiled for the CPU on first
 use): register-blocked for 1 to 24 rows, it streams each weight once per call and keeps every loaded weight vector
 busy for all rows, so a step of 8 tokens costs about what one token does. Calls with more rows (prefill) take the
 stock path. The parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each
@@ -109,11 +109,11 @@ class _SkinnyLinear(_PackedLinear):
     backend = "skinny"
 
     def _pack(self, weight, bias):
-        from . import skinny
+        from selfspec.runtime import skinny
         return skinny.pack(weight), None
 
     def _run(self, rows):
-        from . import skinny
+        from selfspec.runtime import skinny
         if rows.shape[0] > skinny.MAX_ROWS:
             return None  # a large GEMM: the stock BLAS is good at those
         weight, _ = self._packed()
@@ -130,8 +130,8 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 def skinny_available() -> bool:
-    """The skinny kernel builds (or is built) on this machine (``selfspec.skinny``)."""
-    from . import skinny
+    """The skinny kernel builds (or is built) on this machine (``selfspec.runtime.skinny``)."""
+    from selfspec.runtime import skinny
     return skinny.available()
 
 
@@ -150,7 +150,7 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     """Run ``model``'s linear layers on ``backend`` (in place); returns the backend now in effect.
 
     Args:
-        backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, ``skinny`` (``selfspec.skinny``), or
+        backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, ``skinny`` (``selfspec.runtime.skinny``), or
             ``auto``: for a float32 CPU model, the one of those available here whose timed forward of 1 and of 8
             tokens is fastest; ``stock`` otherwise. Each layer keeps the packed weights of every backend it has run
             on (a copy of the weights per backend), so switching back is free.
@@ -164,7 +164,7 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     if backend == "onednn" and not onednn_available():
         raise ValueError("this PyTorch build has no oneDNN (torch.backends.mkldnn); use --linear-backend stock")
     if backend == "skinny" and not skinny_available():
-        from . import skinny
+        from selfspec.runtime import skinny
         raise ValueError(f"the skinny kernel is not available here: {skinny.unavailable_reason()}; it needs a C++ "
                          "compiler and the ninja package; use --linear-backend onednn or stock")
     if backend == "auto":

@@ -1,5 +1,5 @@
-"""What a recipe runs on: the base model (``tiny:<arch>`` test models included), an ``Accelerator`` with trackers,
-the tokenized train/eval examples, and the bookkeeping DDP needs for exact global means.
+"""What a recipe runs on: an ``Accelerator`` with trackers, the tokenized train/eval examples, and the bookkeeping
+DDP needs for exact global means. (The base model comes from ``selfspec.runtime.models.load_model``, as everywhere.)
 """
 
 from __future__ import annotations
@@ -10,44 +10,6 @@ from pathlib import Path
 import torch
 
 from selfspec.training.config import DataConfig
-
-
-def load_base_model(name: str, dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)``. ``tiny:<arch>`` builds a tiny random model (``selfspec.testing``) with a byte-level
-    tokenizer that has a chat template, for smoke tests; anything else goes through ``selfspec.models.load_model``."""
-    if name.startswith("tiny:"):
-        from selfspec.testing import tiny_model
-        tokenizer = byte_tokenizer()
-        model = tiny_model(name.split(":", 1)[1], vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                           dtype=dtype)
-        with torch.no_grad():  # a random model would often end a turn at once; never emit special tokens instead
-            model.get_output_embeddings().weight[tokenizer.all_special_ids] = 0
-        return model, tokenizer
-    from selfspec.models import load_model
-    return load_model(name, dtype=dtype)
-
-
-_BYTE_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer():
-    """A 260-token byte-level tokenizer (4 specials + 256 bytes) with a ChatML template: no download needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                        bos_token="<|endoftext|>", additional_special_tokens=specials[2:])
-    tokenizer.chat_template = _BYTE_CHAT_TEMPLATE
-    return tokenizer
 
 
 def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulation_steps: int = 1, seed: int = 0):
@@ -83,10 +45,11 @@ def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, a
     once by the main process under ``work_dir`` and reused when the run resumes.
 
     Raises:
-        ValueError / FileNotFoundError: bad data (see ``selfspec.data``), before any training starts.
+        ValueError / FileNotFoundError: bad data (see ``selfspec.training.data``), before any training starts.
     """
-    from selfspec import data as D
     from tqdm.auto import tqdm
+
+    from selfspec.training import data as D
 
     work_dir = Path(work_dir)
     source = data.source

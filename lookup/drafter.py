@@ -1,23 +1,12 @@
-"""Training-free drafts from the text itself, and drafters combined into one tree.
-
-``LookupDrafter`` is prompt lookup decoding (n-gram lookup): when the last ``n`` tokens already occurred earlier in
-the sequence (prompt or answer so far), the tokens that followed that occurrence are proposed as a chain. It costs
-a few microseconds per step and no model, and it is right often exactly where model-based drafts are weak:
-copied names, code, quoted text, and the repetitions small models make.
-
-``combine(a, b, ...)`` runs several drafters every step and merges their trees into one (identical paths are
-shared, so a token both propose is verified once). ``medusa+lookup`` on the command line is
-``combine(medusa, lookup)``.
-"""
+"""The prompt-lookup drafter: the continuation of the latest earlier occurrence of the sequence's last n-gram."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from .drafter import DecodeState, Drafter, DrafterBase, register_drafter
-from .tree import DraftTree
+from decoding.combine import merge_trees
+from decoding.drafter import DecodeState, DrafterBase
+from decoding.tree import DraftTree
 
 
 class LookupDrafter(DrafterBase):
@@ -81,72 +70,6 @@ def lookup_continuation(sequence: torch.Tensor, max_ngram: int, min_ngram: int, 
     return found[0] if found else None
 
 
-class CombinedDrafter:
-    """Several drafters proposing into one tree every step (see ``merge_trees``).
-
-    Raises:
-        ValueError: no drafters, or drafters that propose from different vocabularies.
-    """
-
-    def __init__(self, drafters: Sequence[Drafter]):
-        if not drafters:
-            raise ValueError("combine() needs at least one drafter")
-        vocabularies = {getattr(d, "vocab_size", None) for d in drafters} - {None}
-        if len(vocabularies) > 1:
-            raise ValueError(f"combined drafters propose from different vocabularies: {sorted(vocabularies)}")
-        self.drafters = list(drafters)
-        self.vocab_size = next(iter(vocabularies), None)
-        self.hidden_layers = tuple(dict.fromkeys(layer for d in drafters for layer in getattr(d, "hidden_layers", ())))
-
-    def begin(self, state: DecodeState) -> None:
-        for d in self.drafters:
-            d.begin(state)
-
-    def propose(self, state: DecodeState) -> DraftTree | None:
-        return merge_trees([d.propose(state) for d in self.drafters])
-
-    def observe(self, state: DecodeState) -> None:
-        for d in self.drafters:
-            d.observe(state)
-
-
-def combine(*drafters: Drafter) -> CombinedDrafter:
-    """One drafter whose tree is the union of ``drafters``' trees."""
-    return CombinedDrafter(drafters)
-
-
-def merge_trees(trees: Sequence[DraftTree | None]) -> DraftTree | None:
-    """The union of draft trees under one root: a node of a later tree that repeats an existing path (same
-    parent, same token) is merged into it. Trees with per-node draft probabilities cannot be merged, because a
-    shared node would have two draft distributions.
-
-    Raises:
-        ValueError: a tree carries ``draft_probs``.
-    """
-    trees = [t for t in trees if t is not None and len(t)]
-    if not trees:
-        return None
-    if len(trees) == 1:
-        return trees[0]
-    if any(t.draft_probs is not None for t in trees):
-        raise ValueError("trees with draft probabilities (sampled drafts) cannot be merged; combine only "
-                         "deterministic (top-k) drafters")
-    index: dict[tuple[int, int], int] = {}  # (parent in the merged tree, token) -> merged node
-    tokens: list[int] = []
-    parents: list[int] = []
-    for tree in trees:
-        mapped: list[int] = []
-        for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
-            key = (mapped[parent] if parent >= 0 else -1, token)
-            if key not in index:
-                index[key] = len(tokens)
-                tokens.append(token)
-                parents.append(key[0])
-            mapped.append(index[key])
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-
-
-@register_drafter("lookup")
 def make_lookup_drafter(model, heads_dir=None, **options) -> LookupDrafter:
     """Registry factory: ``--draft lookup`` (options ``max_ngram``, ``min_ngram``, ``num_tokens``,
     ``num_candidates``).

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from .identity import BaseModelMismatchError, base_model_identity, check_base_model
+from selfspec.runtime.identity import BaseModelMismatchError, base_model_identity, check_base_model
 
 ADAPTER_DIR = "backbone_adapter"
 CONFIG_NAME = "config.json"
@@ -128,5 +128,5 @@ def resolve_backbone(model: nn.Module, directory: str | Path, base_identity: dic
     raise BaseModelMismatchError(
         f"{what} were trained together with a LoRA adapter on the backbone ({Path(directory) / ADAPTER_DIR}); the "
         f"model given is the plain base, whose outputs differ. Load the adapted model with "
-        f"selfspec.models.load_model({str(directory)!r}) (or --model {directory} on the command line), or pass "
+        f"selfspec.runtime.models.load_model({str(directory)!r}) (or --model {directory} on the command line), or pass "
         "merge_adapter=True to merge the adapter into this model in place")

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .layers import additive_mask, crop_layers, run_layers
+from early_exit.layers import additive_mask, crop_layers, run_layers
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import add_backend_argument
+from selfspec.cli.bench import add_backend_argument
 
 #: Where the committed heads for the embedded default model live, relative to the repository root.
 #: The sequential (Hydra-style) heads: the best committed drafter (docs/RESULTS.md).
@@ -67,11 +67,12 @@ def run(args: argparse.Namespace) -> int:
     """
     import decoding
     import medusa
-    from decoding.lookup import LookupDrafter, combine
-    from selfspec.prompts import encode_prompt
-    from selfspec.adapters import adapter_spec
-    from selfspec.kernels import set_linear_backend
-    from selfspec.training import load_base_model
+    from decoding import combine
+    from lookup import LookupDrafter
+    from selfspec.runtime.adapters import adapter_spec
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.runtime.models import load_model
+    from selfspec.runtime.prompts import encode_prompt
 
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "configs/medusa/smollm2-135m.yaml) or pass --heads DIR")
     if args.model is None:  # Medusa-2 heads decode their adapted model (base + merged LoRA): their directory loads it
         args.model = str(heads_dir) if adapter_spec(heads_dir) else DEFAULT_MODEL
-    model, tokenizer = load_base_model(args.model)
+    model, tokenizer = load_model(args.model)
     model.eval()
     backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
     heads_drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on wrong heads

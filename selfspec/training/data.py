@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.cache import new_cache
+from selfspec.runtime.cache import new_cache
 
 FORMATS = {
     "sharegpt": "a 'conversations' (from/value or role/content) or 'messages' (role/content) list",
@@ -251,7 +251,7 @@ def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_toke
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
         torch.manual_seed(seed + start)
-        # Preallocated cache layers: stock ones copy the whole batch's cache at every step (decoding.cache).
+        # Preallocated cache layers: stock ones copy the whole batch's cache at every step (selfspec.runtime.cache).
         cache = new_cache(model, capacity=width + max_new_tokens)
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
@@ -301,13 +301,13 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
                     progress=None) -> list[dict]:
     """``[{"id", "prompt"}]`` from ``spec``: ``builtin`` (``BUILTIN_PROMPTS``), ``self`` (sampled from the model
     once and kept in ``work_dir/prompts/self.jsonl``, so a resumed run answers the same prompts), ``tasks``
-    (request templates filled with subjects, ``selfspec.task_prompts``), or a dataset. Parts joined by ``+`` are
+    (request templates filled with subjects, ``selfspec.training.task_prompts``), or a dataset. Parts joined by ``+`` are
     concatenated; ``name:N`` takes ``N`` prompts from that part instead of ``num_prompts`` (``self+tasks:768``).
 
     Raises:
         ValueError: ``self`` or ``tasks`` without a number of prompts, or a dataset without user turns.
     """
-    from selfspec.io import atomic_write_text
+    from selfspec.runtime.io import atomic_write_text
 
     if "+" in spec:
         return [p for part in spec.split("+") for p in resolve_prompts(
@@ -317,7 +317,7 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     if colon and count.isdigit() and name in ("builtin", "self", "tasks"):
         spec, num_prompts = name, int(count)
     if spec == "tasks":
-        from selfspec.task_prompts import task_prompts
+        from selfspec.training.task_prompts import task_prompts
         if not num_prompts:
             raise ValueError("task prompts need a number of prompts (num_prompts, or tasks:N)")
         return [{"id": f"task-{i}", "prompt": p} for i, p in enumerate(task_prompts(num_prompts, seed=seed))]
@@ -343,7 +343,7 @@ def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_n
     """The base model answers ``prompts`` (``[{"id", "prompt"}]``); ShareGPT records are appended to
     ``out_dir/shard-NNNNN.jsonl`` (each written atomically), and ids already in a shard are skipped, so a killed
     run resumes where it stopped. Returns ``out_dir`` (loadable with ``load_records``)."""
-    from selfspec.io import atomic_write_text
+    from selfspec.runtime.io import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

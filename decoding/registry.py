@@ -1,0 +1,91 @@
+"""Where drafters are found by name: ``selfspec generate --draft NAME``, benchmark methods ``NAME[:DIR]``.
+
+A drafter package registers a factory ``factory(model, heads_dir=None, **options) -> Drafter`` under the
+packaging entry-point group ``selfspec.drafters`` in its own ``pyproject.toml``::
+
+    [project.entry-points."selfspec.drafters"]
+    my-drafter = "my_package.drafter:make_my_drafter"
+
+so ``decoding`` names no drafter package: a third-party drafter installs with no change here. ``register_drafter``
+adds one at run time (a notebook, a test). A factory is imported only when its drafter is first built.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Callable
+
+from decoding.combine import combine
+from decoding.drafter import Drafter
+
+ENTRY_POINT_GROUP = "selfspec.drafters"
+
+# name -> factory(model, heads_dir or None, **options) -> Drafter
+DrafterFactory = Callable[..., Drafter]
+_REGISTERED: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a drafter factory under ``name`` at run time; it takes precedence over an installed one."""
+
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTERED[name] = factory
+        return factory
+
+    return wrap
+
+
+@functools.cache
+def installed_drafters() -> dict[str, EntryPoint]:
+    """The entry points of group ``selfspec.drafters`` of every installed distribution, by name (read once;
+    ``installed_drafters.cache_clear()`` reads them again)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_drafters() -> list[str]:
+    return sorted(set(_REGISTERED) | set(installed_drafters()))
+
+
+def drafter_factory(name: str) -> DrafterFactory:
+    """Raises: KeyError: no drafter of that name (the message lists the known ones)."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    installed = installed_drafters()
+    if name not in installed:
+        raise KeyError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
+    return installed[name].load()
+
+
+def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options: Any) -> Drafter:
+    """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.combine``).
+
+    In a combination, ``heads_dir`` and the unprefixed ``options`` go to the first drafter; ``"b.key"`` options go
+    to drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR, **{"lookup.num_tokens": 6})``).
+
+    Raises:
+        KeyError: unknown drafter name (the message lists the known ones).
+    """
+    if "+" in name:
+        parts = name.split("+")
+        return make_combined([(part, heads_dir if i == 0 else None) for i, part in enumerate(parts)], model, options)
+    return drafter_factory(name)(model, heads_dir, **options)
+
+
+def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:
+    """Drafters ``[(name, heads_dir), ...]`` combined into one tree; see ``make_drafter`` for how options are
+    routed.
+
+    Raises:
+        KeyError: an unknown drafter name. ValueError: a prefixed option for a drafter not in ``parts``.
+    """
+    names = [n for n, _ in parts]
+    routed: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key, value in options.items():
+        target, dot, option = key.partition(".")
+        if not dot:
+            target, option = names[0], key
+        if target not in routed:
+            raise ValueError(f"option {key!r} is for drafter {target!r}, which is not among {names}")
+        routed[target][option] = value
+    return combine(*[make_drafter(n, model, h, **routed[n]) for n, h in parts])
