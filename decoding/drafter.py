@@ -6,6 +6,10 @@ A drafter never runs the verification itself. The decode loop calls, in order::
     propose(state) -> tree  before every verification (None or an empty tree: plain decoding this step)
     observe(state)          after every verification, once the cache holds the accepted tokens
 
+Drafters that score tokens keep one contract for it: ``draft_logits(...) -> (logits, column_ids)``, logits
+``[..., columns]`` over their draft vocabulary and the token id of each column (``None``: column ``j`` is token
+``j``), as Medusa heads, exit classifiers and layer skipping do.
+
 ``state.hidden`` holds the base model's hidden states (for the layers the drafter lists in ``hidden_layers``) of
 the tokens the last forward appended to the cache and that were accepted: the whole prompt after prefill; the
 root and the accepted nodes after a verification. ``state.hidden[-1][:, -1]`` is therefore always the hidden state

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from early_exit.adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, ResBlock
-from early_exit.layers import check_supported, num_layers
+from early_exit.layers import check_supported
+from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
+from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory
+from selfspec.runtime.layers import num_decoder_layers
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 KIND = "early-exit"
 
 
@@ -84,7 +86,7 @@ class ExitClassifierConfig:
 
 def check_exit_layer(exit_layer: int, model) -> None:
     """Raises: ValueError: ``exit_layer`` is not in 1..L-1 (L = the base model's number of decoder layers)."""
-    total = num_layers(model)
+    total = num_decoder_layers(model)
     if not isinstance(exit_layer, int) or not 1 <= exit_layer <= total - 1:
         raise ValueError(f"exit_layer must be an integer in 1..{total - 1} for this {total}-layer model, got {exit_layer!r}")
 
@@ -212,10 +214,6 @@ class ExitClassifier(nn.Module):
         """
         from safetensors.torch import save_file
 
-        from selfspec.runtime.adapters import copy_backbone_adapter
-        from selfspec.runtime.identity import base_model_identity
-        from selfspec.runtime.io import atomic_directory
-
         if (backbone_adapter is None) != (self.config.backbone_adapter is None):
             raise ValueError("save_pretrained: pass the adapter folder exactly when config.backbone_adapter is set")
         if backbone_adapter is not None and base_identity is None:
@@ -247,8 +245,6 @@ class ExitClassifier(nn.Module):
             ValueError: a bad config, or its exit layer does not fit ``model``.
         """
         from safetensors.torch import load_file
-
-        from selfspec.runtime.adapters import resolve_backbone
 
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):

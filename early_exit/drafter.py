@@ -19,7 +19,9 @@ import torch
 from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import DraftTree
 from early_exit.adapter import AdapterCache
+from early_exit.layer_skip import check_skip_layers
 from early_exit.layers import additive_mask, crop_layers, run_layers
+from selfspec.runtime.layers import num_decoder_layers
 
 # hidden [1, q, hidden] -> (logits [1, q, v], column -> token id map [v] or None for the identity)
 DraftHead = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -182,9 +184,8 @@ class LayerSkipDrafter(PartialForwardDrafter):
     """Draft & Verify / SWIFT self-draft: every base layer but ``skip_layers``, then the base norm and LM head."""
 
     def __init__(self, model, skip_layers: Sequence[int], policy: DraftPolicy = DraftPolicy()):
-        from early_exit.layer_skip import check_skip_layers
 
-        total = len(model.model.layers)
+        total = num_decoder_layers(model)
         check_skip_layers(skip_layers, total)
         self.skip_layers = tuple(sorted(set(skip_layers)))
         head = model.get_output_embeddings()

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from early_exit.layers import additive_mask, crop_layers, run_layers
+from selfspec.runtime.layers import num_decoder_layers
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def relative_cost(model, kept_layers: int, head_rows: int | None = None) -> floa
     head = model.get_output_embeddings().weight
     full_head = head.numel()
     draft_head = full_head if head_rows is None else head_rows * head.shape[1]
-    total = len(model.model.layers) * layer + full_head
+    total = num_decoder_layers(model) * layer + full_head
     return (kept_layers * layer + draft_head) / total
 
 

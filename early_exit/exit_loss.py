@@ -20,6 +20,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from selfspec.training import chunked_cross_entropy
+
 WEIGHT_RULES = ("linear", "uniform")
 
 
@@ -84,7 +86,6 @@ def early_exit_losses(hidden_states: Sequence[torch.Tensor], model, valid: torch
         valid: ``[b, s - 1]`` bool, positions whose next token is trained.
         targets: ``[n]`` those next tokens (``n = valid.sum()``).
     """
-    from selfspec.training import chunked_cross_entropy
 
     final = len(hidden_states) - 1
     head, norm = model.get_output_embeddings(), model.model.norm

@@ -7,6 +7,7 @@ from early_exit.classifier import ExitClassifier, new_classifier
 from early_exit.drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
 from early_exit.layer_skip import LayerSkipConfig, default_skip_layers
 from early_exit.layers import check_supported
+from selfspec.runtime.layers import num_decoder_layers
 
 POLICY_OPTIONS = ("max_depth", "top_k", "width", "max_nodes", "threshold")
 
@@ -47,7 +48,7 @@ def make_early_exit_drafter(model, heads_dir: str | None = None, *, exit_layer: 
         if exit_layer is not None and exit_layer != classifier.exit_layer:
             raise ValueError(f"{heads_dir} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
     else:
-        classifier = new_classifier(model, exit_layer if exit_layer is not None else len(model.model.layers) // 2)
+        classifier = new_classifier(model, exit_layer if exit_layer is not None else num_decoder_layers(model) // 2)
     return EarlyExitDrafter(model, classifier, _policy(**{**classifier.config.policy, **policy}))
 
 
@@ -64,5 +65,5 @@ def make_layer_skip_drafter(model, heads_dir: str | None = None, *, skip_layers:
         config = LayerSkipConfig.load(heads_dir, model)
         skip_layers, policy = config.skip_layers, {**config.policy, **policy}
     if skip_layers is None:
-        skip_layers = default_skip_layers(len(model.model.layers))
+        skip_layers = default_skip_layers(num_decoder_layers(model))
     return LayerSkipDrafter(model, skip_layers, _policy(**policy))

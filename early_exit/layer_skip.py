@@ -11,7 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-CONFIG_NAME = "config.json"
+from early_exit.estimates import agreement, chain_speedup, relative_cost
+from selfspec.runtime.identity import check_base_model
+from selfspec.runtime.io import CONFIG_NAME, atomic_directory
+from selfspec.runtime.layers import num_decoder_layers
+
 KIND = "layer-skip"
 
 
@@ -46,7 +50,6 @@ class LayerSkipConfig:
     kind: str = KIND
 
     def save(self, directory: str | Path, readme: str | None = None) -> Path:
-        from selfspec.runtime.io import atomic_directory
 
         with atomic_directory(directory) as tmp:
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
@@ -59,7 +62,6 @@ class LayerSkipConfig:
             FileNotFoundError: no config.json in ``directory``.
             ValueError: not a layer-skip config, searched on another base model, or layers that do not fit it.
         """
-        from selfspec.runtime.identity import check_base_model
 
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
@@ -69,7 +71,7 @@ class LayerSkipConfig:
             raise ValueError(f"{directory} holds a {data.get('kind')!r} config, not a layer-skip set")
         config = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
         check_base_model(config.base_model, model, what=f"layer-skip set {directory}")
-        check_skip_layers(config.skip_layers, len(model.model.layers))
+        check_skip_layers(config.skip_layers, num_decoder_layers(model))
         return config
 
 
@@ -91,9 +93,8 @@ def search_skip_layers(model, calibration, *, max_depth: int = 6, max_skip: int 
     never skipped (the first layer: skipping it wrecks every draft). Returns the set (sorted) and the record of
     every round (score, agreement, cost, chain length).
     """
-    from early_exit.estimates import agreement, chain_speedup, relative_cost
 
-    total = len(model.model.layers)
+    total = num_decoder_layers(model)
     head = model.get_output_embeddings()
 
     def draft_head(hidden):

@@ -44,10 +44,6 @@ def check_supported(model) -> None:
         )
 
 
-def num_layers(model) -> int:
-    return len(model.model.layers)
-
-
 def run_layers(model, layer_ids: Sequence[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
     """Embed ``input_ids`` ``[1, q]`` and run decoder layers ``layer_ids`` in order; returns ``[1, q, hidden]``

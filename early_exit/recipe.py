@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 
 from early_exit.classifier import ExitClassifier, check_adapter, new_classifier
 from early_exit.exit_loss import WEIGHT_RULES, EarlyExitBackbone, early_exit_losses, resolve_loss_layers
-from early_exit.layers import num_layers
 from selfspec import training as T
 from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.layers import num_decoder_layers
 from selfspec.training.data import collate, frequent_tokens
 
 METHODS = ("distill", "layerskip")
@@ -149,7 +149,7 @@ class EarlyExitRecipe(T.Recipe):
         self.classifier.config.policy = dataclasses.asdict(cfg.draft)
         if self.layerskip:
             ls = cfg.layerskip
-            self.loss_layers = resolve_loss_layers(c.exit_layer, num_layers(self.base), loss_layers=ls.loss_layers,
+            self.loss_layers = resolve_loss_layers(c.exit_layer, num_decoder_layers(self.base), loss_layers=ls.loss_layers,
                                                    loss_every=ls.loss_every, layer_weights=ls.layer_weights,
                                                    weight_rule=ls.weight_rule)
             decoder = self.base.get_decoder()

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-CONFIG_NAME = "config.json"
+from selfspec.runtime.io import CONFIG_NAME
 
 
 @dataclass

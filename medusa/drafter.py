@@ -104,9 +104,10 @@ class SequentialPlan:
             if level:
                 row_tokens = tokens[self.inputs[level]]
             state = heads.step(state[self.state_rows[level]], row_tokens, level)  # [rows, hidden]
-            top = heads.head_draft_logits(state, level).topk(self.ranks[level], dim=-1).indices  # [rows, ranks]
-            if heads.draft_vocab is not None:
-                top = heads.draft_vocab[top]
+            logits, ids = heads.head_draft_logits(state, level)
+            top = logits.topk(self.ranks[level], dim=-1).indices  # [rows, ranks]
+            if ids is not None:
+                top = ids[top]
             tokens[self.children[level]] = top[self.child_rows[level], self.child_ranks[level]]
         return template.with_tokens(tokens)
 
@@ -177,13 +178,13 @@ class MedusaDrafter(ContextDrafter):
                 return self.plan.fill(heads, start[0], state.root, self.template)
         with torch.no_grad():
             features = heads.head_features(start, num_heads=self._depth)
-            logits = heads.draft_logits(features).reshape(self._depth, -1)  # [depth, vocab or draft vocab]
+            logits, ids = heads.draft_logits(features)
+            logits = logits.reshape(self._depth, -1)  # [depth, columns]
             if self.selector is None:
                 top = logits.topk(self._ranks, dim=-1).indices  # [depth, ranks]
-                return self.template.fill(top if heads.draft_vocab is None else heads.draft_vocab[top])
+                return self.template.fill(top if ids is None else ids[top])
             top = logits.log_softmax(dim=-1).topk(self._ranks, dim=-1)
-            ids = top.indices if heads.draft_vocab is None else heads.draft_vocab[top.indices]
-            return self.selector.select(ids, top.values)
+            return self.selector.select(top.indices if ids is None else ids[top.indices], top.values)
 
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,

@@ -81,7 +81,8 @@ class SequentialBeam:
         """Head ``level`` on ``states`` ``[rows, hidden]`` reading ``tokens`` ``[rows]``: its output states and the
         top-``k`` ``(log_probs, draft indices)`` ``[rows, k]`` of each row."""
         out = heads.step(states, tokens, level)
-        top = heads.head_draft_logits(out, level).float().log_softmax(-1).topk(k, dim=-1)
+        logits, _ = heads.head_draft_logits(out, level)  # columns map to tokens through heads.draft_vocab
+        top = logits.float().log_softmax(-1).topk(k, dim=-1)
         return out, top.values.double(), top.indices
 
     def draft(self, heads, start: torch.Tensor, root: int) -> DraftTree:

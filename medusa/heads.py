@@ -24,6 +24,7 @@ base's hidden states with each position's next token (``medusa.context``), inste
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -32,15 +33,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa.card import render_readme
-from medusa.config import CONFIG_NAME, MedusaConfig
+from medusa.config import MedusaConfig
 from medusa.context import PrefixAttention
 from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
+from selfspec.runtime.attention import rotary_of
 from selfspec.runtime.identity import base_model_identity
-from selfspec.runtime.io import atomic_directory
+from selfspec.runtime.io import CALIBRATION_NAME, CONFIG_NAME, README_NAME, WEIGHTS_NAME, atomic_directory
 from selfspec.runtime.kernels import module_backend, set_module_backend
-
-WEIGHTS_NAME = "model.safetensors"
-README_NAME = "README.md"
 
 
 class MedusaHeads(nn.Module):
@@ -217,11 +216,12 @@ class MedusaHeads(nn.Module):
         self.draft_vocab.copy_(token_ids)
         self._draft_weight = self._draft_head = None
 
-    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """``[k, ..., hidden]`` head features -> ``[k, ..., draft_vocab_size]`` logits over the draft vocabulary
-        (column ``j`` is token ``draft_vocab[j]``); the full ``logits`` without a draft vocabulary."""
+    def draft_logits(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[k, ..., hidden]`` head features -> ``(logits [k, ..., columns], column token ids)``, the draft-logits
+        contract every drafter keeps (``decoding.drafter``): with a draft vocabulary, column ``j`` is token
+        ``draft_vocab[j]``; without one, the full-vocabulary ``logits`` and ``None``."""
         if self.draft_vocab is None:
-            return self.logits(features)
+            return self.logits(features), None
         head = self.shared_lm_head
         if self._draft_weight is None or self._draft_weight.device != features.device:
             # Gathered once: slicing the rows every step would cost as much as the product it saves.
@@ -243,15 +243,16 @@ class MedusaHeads(nn.Module):
             out = (self._draft_weight @ flat.T).T
             if bias is not None:
                 out = out + bias
-        return out.reshape(*features.shape[:-1], -1)
+        return out.reshape(*features.shape[:-1], -1), self.draft_vocab
 
-    def head_draft_logits(self, features: torch.Tensor, head: int) -> torch.Tensor:
-        """``[rows, hidden]`` outputs of one head -> ``[rows, draft vocab or vocab]`` logits through that head's
-        LM head (the shared one, restricted to the draft vocabulary when there is one)."""
+    def head_draft_logits(self, features: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[rows, hidden]`` outputs of one head -> ``(logits [rows, columns], column token ids or None)`` through
+        that head's LM head (the shared one, restricted to the draft vocabulary when there is one)."""
         if self.shared_lm_head is not None:
-            return self.draft_logits(features.unsqueeze(0))[0]
+            logits, ids = self.draft_logits(features.unsqueeze(0))
+            return logits[0], ids
         bias = None if self.lm_head_bias is None else self.lm_head_bias[head]
-        return F.linear(features.to(self.lm_head_weight.dtype), self.lm_head_weight[head], bias)
+        return F.linear(features.to(self.lm_head_weight.dtype), self.lm_head_weight[head], bias), None
 
     def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,9 +285,12 @@ class MedusaHeads(nn.Module):
         heads = cls(config, lm_head, *_shared_inputs(model, config))
         return heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
 
-    def save_pretrained(self, directory: str | Path, *, backbone_adapter: str | Path | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, *, backbone_adapter: str | Path | None = None,
+                        calibration: dict | None = None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (the heads' own weights only) and ``README.md`` to
-        ``directory``, atomically: a crash leaves either the old directory or the complete new one.
+        ``directory``, atomically: a crash leaves either the old directory or the complete new one. The only
+        writer of a heads directory: training saves through it, and so does tree calibration, with its report in
+        ``calibration`` (written to ``calibration.json``).
 
         ``backbone_adapter``: a folder written by ``selfspec.runtime.adapters.export_backbone_adapter`` (Medusa-2), copied
         into the directory in the same atomic write; ``config.backbone_adapter`` must describe it.
@@ -305,6 +309,8 @@ class MedusaHeads(nn.Module):
             self.config.save(tmp)
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             (tmp / README_NAME).write_text(render_readme(self.config))
+            if calibration is not None:
+                (tmp / CALIBRATION_NAME).write_text(json.dumps(calibration, indent=2) + "\n")
         return directory
 
     @classmethod
@@ -357,7 +363,6 @@ def path_tokens(input_ids: torch.Tensor, num_heads: int, pad_id: int = 0) -> tor
 
 def _shared_inputs(model: nn.Module, config: MedusaConfig) -> tuple[nn.Module | None, nn.Module | None]:
     """``(embeddings, rotary)`` of the base model that heads of this config read (None where they read nothing)."""
-    from selfspec.runtime.attention import rotary_of
     embeddings = model.get_input_embeddings() if config.sequential or config.prefix_attention else None
     return embeddings, rotary_of(model) if config.prefix_attention else None
 

@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from medusa.heads import MedusaHeads, path_tokens
+from medusa.trees import default_tree
 from selfspec import training as T
 from selfspec.training.data import collate, frequent_tokens
 
@@ -288,7 +289,6 @@ class MedusaRecipe(T.Recipe):
         cfg, acc = self.cfg, self.accelerator
         if not acc.is_main_process:
             return
-        from medusa.trees import default_tree
         heads = acc.unwrap_model(self.model).heads
         heads.config.head_accuracy = metrics["head_accuracy"]
         heads.config.tree = default_tree(metrics["head_accuracy"], size=cfg.tree_size)

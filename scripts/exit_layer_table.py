@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decoding.generate import generate  # noqa: E402
 from early_exit import DraftPolicy, EarlyExitDrafter, ExitClassifier, new_classifier  # noqa: E402
 from early_exit.estimates import calibration_set, chain_speedup, exit_agreement, relative_cost  # noqa: E402
+from selfspec.runtime.layers import num_decoder_layers
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     model.eval()
-    total = len(model.model.layers)
+    total = num_decoder_layers(model)
     trained = {c.exit_layer: c for c in (ExitClassifier.from_pretrained(h, model) for h in args.heads)}
     layers = sorted(set(args.layers or range(args.stride, total, args.stride)) | set(trained))
     prompts = encoded_prompts(tokenizer, args.prompts, args.num_prompts)

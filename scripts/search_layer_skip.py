@@ -24,6 +24,7 @@ from decoding.generate import generate  # noqa: E402
 from early_exit import DraftPolicy, LayerSkipConfig, LayerSkipDrafter  # noqa: E402
 from early_exit.estimates import calibration_set  # noqa: E402
 from early_exit.layer_skip import search_skip_layers  # noqa: E402
+from selfspec.runtime.layers import num_decoder_layers
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     config = LayerSkipConfig(skip, base_model_identity(model), metrics=metrics,
                              policy={"max_depth": metrics["max_depth"]})
     command = "python scripts/search_layer_skip.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    readme = (f"# Layer-skip draft for {args.model}\n\nSkipped layers ({len(skip)} of {len(model.model.layers)}): "
+    readme = (f"# Layer-skip draft for {args.model}\n\nSkipped layers ({len(skip)} of {num_decoder_layers(model)}): "
               f"{skip}; chain length {metrics['max_depth']}.\n\nMade by `{command}`.\n\n"
               f"Measured on the calibration prompts: tau {metrics['tau']:.2f}, {metrics['tokens_per_s']:.1f} tokens/s "
               f"vs {metrics['plain_tokens_per_s']:.1f} plain.\n\nUse: `selfspec generate --draft layer-skip --heads DIR`.\n")

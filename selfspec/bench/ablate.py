@@ -19,6 +19,7 @@ import yaml
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from decoding.drafter import SamplingParams
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.runner import BenchRun, eos_of, load_prompts, run_benchmark, summarize
 from selfspec.runtime.models import is_test_model, load_model
@@ -132,8 +133,8 @@ def run_cell(cell: dict, inputs: _Inputs) -> dict:
         method_spec = method_spec.replace("{heads}", str(run_train_hook(cell["train"])))
     model, tokenizer = inputs.model(cell["model"])
     prompts = inputs.prompt_list(cell)
-    settings = GenSettings(int(cell["max_new_tokens"]), eos_of(model, tokenizer), float(cell["temperature"]),
-                           cell["top_k"], cell["top_p"], int(cell["seed"]))
+    sampling = SamplingParams(float(cell["temperature"]), cell["top_k"], cell["top_p"])
+    settings = GenSettings(int(cell["max_new_tokens"]), eos_of(model, tokenizer), sampling, int(cell["seed"]))
     method = parse_method(method_spec, **(cell["options"] or {}))
     ref_key = (cell["model"], cell["prompts"], cell["limit"], settings)
     reference: BenchRun | None = inputs.references.get(ref_key) if cell["baseline"] == "once" else None

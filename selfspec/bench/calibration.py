@@ -11,8 +11,6 @@ deeper trees draft slower) plus an optional fixed overhead. The chosen tree maxi
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -26,16 +24,17 @@ from decoding.drafter import DecodeState, Drafter, SamplingParams
 from decoding.generate import verify_forward
 from decoding.registry import make_drafter
 from decoding.tree import DraftTree, TreeTemplate
-from medusa.card import render_readme
 from medusa.config import MedusaConfig
+from medusa.heads import MedusaHeads
 from medusa.trees import default_tree, expected_accept_length
 from selfspec.bench.methods import GenSettings, parse_method
+from selfspec.bench.replay import replay
 from selfspec.bench.runner import Prompt, mean_tau
+from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop
-from selfspec.runtime.io import MARKER, atomic_directory
+from selfspec.runtime.io import CONFIG_NAME
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-CALIBRATION_NAME = "calibration.json"
 
 
 @dataclass(frozen=True)
@@ -161,10 +160,10 @@ def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Seque
     return best, candidates
 
 
-def save_tree(heads_dir: str | Path, best: Candidate, report: dict) -> Path:
+def save_tree(model: Any, heads_dir: str | Path, best: Candidate, report: dict) -> Path:
     """Write ``best.choices`` as the ``tree`` of the heads' config.json (refreshing their README, which describes
-    the tree), and ``report`` to calibration.json."""
-    return save_setting(heads_dir, Setting(choices=best.choices), report)
+    the tree), and ``report`` to calibration.json (``save_setting``)."""
+    return save_setting(model, heads_dir, Setting(choices=best.choices), report)
 
 
 def report_dict(best: Candidate, candidates: list[Candidate], **extra: Any) -> dict:
@@ -247,7 +246,6 @@ def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Se
     drafting cost, with the verification cost of its tree size measured on this machine; the best has the most
     predicted tokens per second ``tau / (verify + draft + overhead_s)``. ``with_lookup`` measures each setting
     merged with prompt lookup (``medusa+lookup``)."""
-    from selfspec.bench.replay import replay
 
     name = "medusa+lookup" if with_lookup else "medusa"
     measured = []
@@ -277,20 +275,17 @@ def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Se
     return max(rows, key=lambda r: r.tokens_per_s), rows
 
 
-def save_setting(heads_dir: str | Path, setting: Setting, report: dict) -> Path:
+def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: dict) -> Path:
     """Make ``setting`` the heads' default drafting (``tree`` or ``dynamic_tree`` in config.json), with ``report``
-    in calibration.json; the directory is rewritten atomically."""
+    in calibration.json: the heads are loaded onto ``model`` (which checks they belong to it) and saved again by
+    their own ``save_pretrained``, which rewrites the directory atomically."""
     heads_dir = Path(heads_dir)
-    config = MedusaConfig.load(heads_dir)
+    heads = MedusaHeads.from_pretrained(heads_dir, model)
+    config = heads.config
     if setting.dynamic is not None:
         config.dynamic_tree = dict(setting.dynamic)
     else:
         config.tree, config.dynamic_tree = setting.choices or [], None
-    with atomic_directory(heads_dir) as tmp:
-        for item in heads_dir.iterdir():
-            if item.name != MARKER:
-                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        (tmp / "README.md").write_text(render_readme(config))
-        (tmp / CALIBRATION_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    return heads_dir / "config.json"
+    adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
+    heads.save_pretrained(heads_dir, backbone_adapter=adapter, calibration=report)
+    return heads_dir / CONFIG_NAME

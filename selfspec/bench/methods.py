@@ -10,26 +10,36 @@ spec may end in ``@stock`` / ``@onednn`` to run on that linear backend (``selfsp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
+from decoding import generate
+from decoding.drafter import SamplingParams
+from decoding.registry import available_drafters, make_combined, make_drafter
+from selfspec.runtime.kernels import BACKENDS, linear_backend
+from selfspec.runtime.layers import decoder_layers
+
 
 @dataclass(frozen=True)
 class GenSettings:
-    """What every method is asked to do, identically: stop at ``eos_token_id`` or after ``max_new_tokens``."""
+    """What every method is asked to do, identically: stop at ``eos_token_id`` or after ``max_new_tokens``, choosing
+    tokens as ``sampling`` says (``decoding.SamplingParams``; greedy by default), sampling seeded with ``seed``."""
 
     max_new_tokens: int = 256
     eos_token_id: int | list[int] | None = None
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
+    sampling: SamplingParams = SamplingParams()
     seed: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.sampling.greedy
+
+    def to_dict(self) -> dict:
+        """Flat, JSON-ready: the sampling fields beside the others (the ``config`` of results.json)."""
+        return {"max_new_tokens": self.max_new_tokens, "eos_token_id": self.eos_token_id, **asdict(self.sampling),
+                "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,6 @@ def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
 
 
 def available_methods() -> list[str]:
-    from decoding.registry import available_drafters
 
     return sorted(set(_METHODS) | set(available_drafters()))
 
@@ -78,11 +87,9 @@ def parse_method(spec: str, **options: Any) -> Method:
         KeyError: unknown method name (the message lists the known ones).
         ValueError: a malformed argument, such as a non-integer exit layer.
     """
-    from decoding.registry import available_drafters
 
     body, at, backend = spec.strip().rpartition("@") if "@" in spec else (spec.strip(), "", "")
     if at:
-        from selfspec.runtime.kernels import BACKENDS
         if backend not in BACKENDS:
             raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
                              f"(choose one of {', '.join(BACKENDS)})")
@@ -110,18 +117,8 @@ class BackendMethod:
         self.name, self.inner, self.backend = name, inner, backend
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-        from selfspec.runtime.kernels import linear_backend
         with linear_backend(model, self.backend):
             return self.inner.generate(model, input_ids, settings)
-
-
-def decoder_layers(model: Any) -> torch.nn.ModuleList:
-    """The model's stack of decoder layers (the first ``ModuleList`` as long as ``config.num_hidden_layers``)."""
-    count = model.config.num_hidden_layers
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
-            return module
-    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
 
 
 class _HFMethod:
@@ -136,8 +133,7 @@ class _HFMethod:
         input_ids = input_ids.to(model.device)
         eos = settings.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
-        sampling = {} if settings.greedy else dict(temperature=settings.temperature, top_k=settings.top_k,
-                                                    top_p=settings.top_p)
+        sampling = {} if settings.greedy else asdict(settings.sampling)
         forwards = [0]
         hook = decoder_layers(model)[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         try:
@@ -186,23 +182,21 @@ class DrafterMethod:
     """A registered drafter run through selfspec's own loop (``decoding.generate``). The drafter is built once per
     model and reused for every prompt."""
 
-    def __init__(self, name: str, drafter: str, heads: str | None, options: dict,
+    def __init__(self, name: str, drafter: str, heads_dir: str | None, options: dict,
                  parts: list[tuple[str, str | None]] | None = None):
-        self.name, self.drafter_name, self.heads, self.options = name, drafter, heads, dict(options)
-        self.parts = parts  # [(drafter, heads)] of a combination, else None
+        self.name, self.drafter_name, self.heads_dir, self.options = name, drafter, heads_dir, dict(options)
+        self.parts = parts  # [(drafter, heads_dir)] of a combination, else None
         self._built: tuple[Any, Any] | None = None  # (model, drafter)
 
     def drafter(self, model: Any) -> Any:
-        from decoding.registry import make_combined, make_drafter
 
         if self._built is None or self._built[0] is not model:
             built = (make_combined(self.parts, model, self.options) if self.parts
-                     else make_drafter(self.drafter_name, model, self.heads, **self.options))
+                     else make_drafter(self.drafter_name, model, self.heads_dir, **self.options))
             self._built = (model, built)
         return self._built[1]
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-        from decoding import generate
 
         drafter = self.drafter(model)
         input_ids = input_ids.to(model.device)
@@ -210,8 +204,7 @@ class DrafterMethod:
         start = time.perf_counter()
         with torch.inference_mode():
             out = generate(model, drafter, input_ids, max_new_tokens=settings.max_new_tokens,
-                           temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                           eos_token_id=settings.eos_token_id, generator=generator)
+                           **asdict(settings.sampling), eos_token_id=settings.eos_token_id, generator=generator)
         seconds = time.perf_counter() - start
         stats = out.stats
         phases = {phase: float(getattr(stats, f"time_{phase}", 0.0) or 0.0)

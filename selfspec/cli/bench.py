@@ -6,9 +6,11 @@ import argparse
 
 import torch
 
+from decoding.drafter import SamplingParams
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.report import markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
+from selfspec.runtime.kernels import BACKENDS, set_linear_backend
 from selfspec.runtime.models import is_test_model, load_model
 
 
@@ -24,7 +26,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
-    from selfspec.runtime.kernels import BACKENDS
     parser.add_argument("--linear-backend", default="auto", choices=list(BACKENDS),
                         help="kernels for the linear layers (selfspec.runtime.kernels): stock, onednn, or skinny (this "
                              "project's, built for the CPU on first use); auto (default) times each on this machine "
@@ -33,7 +34,6 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
 
 def apply_backend(model, args: argparse.Namespace) -> str:
     """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
-    from selfspec.runtime.kernels import set_linear_backend
     backend = set_linear_backend(model, args.linear_backend)
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else ""), flush=True)
     return backend
@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     backend = apply_backend(model, args)
     prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed,
                            synthetic=is_test_model(args.model))
-    settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer), args.temperature, args.top_k, args.top_p,
-                           args.seed)
+    settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer),
+                           SamplingParams(args.temperature, args.top_k, args.top_p), args.seed)
     bench_run = run_benchmark(model, prompts, methods, settings, warmup_tokens=args.warmup_tokens,
                               progress=not args.quiet)
     config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "num_prompts": len(prompts),
-              "methods": list(bench_run.generations), **{k: v for k, v in settings.__dict__.items()},
+              "methods": list(bench_run.generations), **settings.to_dict(),
               "warmup_tokens": args.warmup_tokens, "linear_backend": backend, **environment()}
     results = {"methods": summarize(model, bench_run), "config": config}
     paths = write_results(results, args.out)

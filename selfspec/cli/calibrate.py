@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+from medusa.config import MedusaConfig
 from selfspec.bench.calibration import (
     DEFAULT_SIZES,
     calibrate,
@@ -30,9 +31,12 @@ from selfspec.bench.calibration import (
     settings_for,
 )
 from selfspec.bench.methods import GenSettings
+from selfspec.bench.replay import make_references
 from selfspec.bench.runner import Prompt, eos_of, load_prompts
 from selfspec.cli.bench import add_common_arguments, apply_backend
 from selfspec.runtime.models import is_test_model, load_model
+from selfspec.runtime.prompts import encode_prompt
+from selfspec.training.data import BUILTIN_PROMPTS
 
 
 def _ints(text: str) -> list[int]:
@@ -68,14 +72,11 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
     if args.prompts or is_test_model(args.model):
         return load_prompts(tokenizer, args.prompts, args.limit or 6, vocab_size=model.config.vocab_size,
                             seed=args.seed, synthetic=True)
-    from selfspec.runtime.prompts import encode_prompt
-    from selfspec.training.data import BUILTIN_PROMPTS
     chosen = BUILTIN_PROMPTS[-(args.limit or 6):]
     return [Prompt(f"builtin-{i}", encode_prompt(tokenizer, text)) for i, text in enumerate(chosen)]
 
 
 def run(args: argparse.Namespace) -> int:
-    from medusa.config import MedusaConfig
 
     torch.set_num_threads(args.threads)
     config = MedusaConfig.load(args.heads)
@@ -107,13 +108,12 @@ def run(args: argparse.Namespace) -> int:
                              prefix_length=args.prefix_length, repeats=args.repeats, overhead_ms=args.overhead_ms,
                              fit_linear=args.fit_linear, linear_backend=backend,
                              prompts=args.prompts or "builtin", limit=args.limit, max_new_tokens=args.max_new_tokens)
-        path = save_tree(args.heads, best, report)
+        path = save_tree(model, args.heads, best, report)
         print(f"saved the {best.size}-node tree into {path} (details in calibration.json)")
     return 0
 
 
 def _run_replay(args, config, model, tokenizer, backend: str) -> int:
-    from selfspec.bench.replay import make_references
 
     prompts = _calibration_prompts(args, model, tokenizer)
     print(f"calibration: greedy continuations of {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
@@ -137,6 +137,6 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
                   "prompts": args.prompts or "builtin", "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
                   "overhead_ms": args.overhead_ms, "repeats": args.repeats}
-        path = save_setting(args.heads, best.setting, report)
+        path = save_setting(model, args.heads, best.setting, report)
         print(f"saved '{best.setting.label}' into {path} (details in calibration.json)")
     return 0

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import torch
 
+import decoding
+import medusa
+from decoding import combine
+from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
+from selfspec.runtime.adapters import adapter_spec
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import load_model
+from selfspec.runtime.prompts import encode_prompt
 
 #: Where the committed heads for the embedded default model live, relative to the repository root.
 #: The sequential (Hydra-style) heads: the best committed drafter (docs/RESULTS.md).
@@ -65,14 +73,6 @@ def run(args: argparse.Namespace) -> int:
         FileNotFoundError: no heads directory (the message says how to train one).
         ValueError: heads for another base model, a bad tree, a bad ``--max-new-tokens``.
     """
-    import decoding
-    import medusa
-    from decoding import combine
-    from lookup import LookupDrafter
-    from selfspec.runtime.adapters import adapter_spec
-    from selfspec.runtime.kernels import set_linear_backend
-    from selfspec.runtime.models import load_model
-    from selfspec.runtime.prompts import encode_prompt
 
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")

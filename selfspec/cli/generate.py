@@ -8,7 +8,12 @@ import sys
 
 import torch
 
+from decoding import available_drafters, generate, make_drafter
 from selfspec.cli.bench import add_backend_argument
+from selfspec.runtime.adapters import adapter_spec
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import DEFAULT_MODEL, load_model
+from selfspec.runtime.prompts import encode_prompt, read_prompts
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -25,7 +30,6 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def _drafter_name(text: str) -> str:
-    from decoding import available_drafters
 
     unknown = [part for part in text.split("+") if part not in available_drafters()]
     if unknown:
@@ -35,7 +39,6 @@ def _drafter_name(text: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from decoding import available_drafters
 
     p = sub.add_parser("generate", help="generate text with speculative decoding",
                        description="Generate with the base model verifying drafts from its own heads or layers.")
@@ -66,12 +69,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
-
-    from decoding import generate, make_drafter
-    from selfspec.runtime.adapters import adapter_spec
-    from selfspec.runtime.kernels import set_linear_backend
-    from selfspec.runtime.models import DEFAULT_MODEL, load_model
-    from selfspec.runtime.prompts import encode_prompt, read_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

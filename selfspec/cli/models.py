@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from selfspec.runtime.models import DEFAULT_MODEL, cache_home, list_models, resolve_model
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("models", help="list model aliases and their cached copies",
@@ -15,7 +17,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfspec.runtime.models import DEFAULT_MODEL, cache_home, list_models, resolve_model
 
     for name in args.prepare:
         print(f"{name}: ready in {resolve_model(name)}")

@@ -24,9 +24,9 @@ from typing import Any
 from torch import nn
 
 from selfspec.runtime.identity import BaseModelMismatchError, base_model_identity, check_base_model
+from selfspec.runtime.io import CONFIG_NAME
 
 ADAPTER_DIR = "backbone_adapter"
-CONFIG_NAME = "config.json"
 
 
 def export_backbone_adapter(peft_model: Any, staging: str | Path) -> tuple[dict, nn.Module]:

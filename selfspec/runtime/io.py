@@ -18,6 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+#: the files of every saved draft module (heads, classifiers, skip sets) and converted model
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+README_NAME = "README.md"
+CALIBRATION_NAME = "calibration.json"  # how calibration chose a directory's default drafting
 MARKER = ".selfspec-complete"
 _TMP_INFIX = ".tmp-"
 _OLD_INFIX = ".old-"

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.runtime import skinny
+
 BACKENDS = ("stock", "onednn", "skinny", "auto")
 _STATE = "_selfspec_linear_backend"
 _KERNEL_CACHE = "_selfspec_linear_kernels"
@@ -109,11 +111,9 @@ class _SkinnyLinear(_PackedLinear):
     backend = "skinny"
 
     def _pack(self, weight, bias):
-        from selfspec.runtime import skinny
         return skinny.pack(weight), None
 
     def _run(self, rows):
-        from selfspec.runtime import skinny
         if rows.shape[0] > skinny.MAX_ROWS:
             return None  # a large GEMM: the stock BLAS is good at those
         weight, _ = self._packed()
@@ -131,7 +131,6 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 def skinny_available() -> bool:
     """The skinny kernel builds (or is built) on this machine (``selfspec.runtime.skinny``)."""
-    from selfspec.runtime import skinny
     return skinny.available()
 
 
@@ -164,7 +163,6 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     if backend == "onednn" and not onednn_available():
         raise ValueError("this PyTorch build has no oneDNN (torch.backends.mkldnn); use --linear-backend stock")
     if backend == "skinny" and not skinny_available():
-        from selfspec.runtime import skinny
         raise ValueError(f"the skinny kernel is not available here: {skinny.unavailable_reason()}; it needs a C++ "
                          "compiler and the ninja package; use --linear-backend onednn or stock")
     if backend == "auto":

@@ -10,6 +10,8 @@ import re
 import shutil
 from pathlib import Path
 
+from selfspec.runtime.io import atomic_directory, atomic_write_text, is_complete
+
 CHECKPOINT_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
 
@@ -20,7 +22,6 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint (``selfspec.runtime.io.is_complete``); half-written temporaries never count."""
-    from selfspec.runtime.io import is_complete
 
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
@@ -38,8 +39,6 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, trainer_stat
     shared with every process (each writes its RNG state, or its shard under FSDP/DeepSpeed); the directory
     appears at ``checkpoints/step-N`` only once everyone has finished, so a checkpoint is complete or invisible."""
     from accelerate.utils import broadcast_object_list
-
-    from selfspec.runtime.io import atomic_directory, atomic_write_text
 
     final = checkpoint_dir(output_dir, step)
     main = accelerator.is_main_process

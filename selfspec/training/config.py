@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from selfspec.training.data import FORMATS
+
 
 def _is_dataclass_type(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
@@ -125,7 +127,6 @@ class DataConfig:
     generation_batch_size: int = 16  # prompts generated at once (left-padded)
 
     def __post_init__(self):
-        from selfspec.training.data import FORMATS
         if self.format != "auto" and self.format not in FORMATS:
             raise ValueError(f"data.format {self.format!r} is not one of auto, {', '.join(FORMATS)}")
         if self.max_length < 4 or self.eval_samples < 0 or self.generation_batch_size < 1:

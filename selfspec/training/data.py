@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from selfspec.runtime.cache import new_cache
+from selfspec.runtime.io import atomic_write_text
+from selfspec.training.task_prompts import task_prompts
 
 FORMATS = {
     "sharegpt": "a 'conversations' (from/value or role/content) or 'messages' (role/content) list",
@@ -307,7 +309,6 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     Raises:
         ValueError: ``self`` or ``tasks`` without a number of prompts, or a dataset without user turns.
     """
-    from selfspec.runtime.io import atomic_write_text
 
     if "+" in spec:
         return [p for part in spec.split("+") for p in resolve_prompts(
@@ -317,7 +318,6 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     if colon and count.isdigit() and name in ("builtin", "self", "tasks"):
         spec, num_prompts = name, int(count)
     if spec == "tasks":
-        from selfspec.training.task_prompts import task_prompts
         if not num_prompts:
             raise ValueError("task prompts need a number of prompts (num_prompts, or tasks:N)")
         return [{"id": f"task-{i}", "prompt": p} for i, p in enumerate(task_prompts(num_prompts, seed=seed))]
@@ -343,7 +343,6 @@ def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_n
     """The base model answers ``prompts`` (``[{"id", "prompt"}]``); ShareGPT records are appended to
     ``out_dir/shard-NNNNN.jsonl`` (each written atomically), and ids already in a shard are skipped, so a killed
     run resumes where it stopped. Returns ``out_dir`` (loadable with ``load_records``)."""
-    from selfspec.runtime.io import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

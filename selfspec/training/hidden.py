@@ -20,6 +20,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.io import atomic_write_bytes
+from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 from selfspec.training.data import collate
 
 
@@ -35,19 +38,11 @@ def examples_digest(examples: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers
-
-
 @torch.no_grad()
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """``{layer: [b, s, hidden]}`` for a batch; stops after the deepest layer asked for unless ``-1`` is asked."""
-    total = len(_decoder_layers(model))
+    total = num_decoder_layers(model)
     wanted = sorted({total if layer == -1 else layer for layer in layers})
     if wanted and wanted[-1] >= total:
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
@@ -55,7 +50,7 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return {layer: (out.last_hidden_state if layer in (-1, total) else states[layer]) for layer in layers}
     captured: dict[int, torch.Tensor] = {}
     hooks = []
-    decoder_layers = _decoder_layers(model)
+    stack = decoder_layers(model)
 
     def capture(index: int, last: bool) -> Callable:
         def hook(module, args, output):
@@ -69,10 +64,10 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             captured[0] = (args[0] if args else kwargs["hidden_states"]).detach()
             if wanted[-1] == 0:
                 raise _Stop
-        hooks.append(decoder_layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
+        hooks.append(stack[0].register_forward_pre_hook(first_input, with_kwargs=True))
     for layer in wanted:
         if layer > 0:
-            hooks.append(decoder_layers[layer - 1].register_forward_hook(capture(layer, layer == wanted[-1])))
+            hooks.append(stack[layer - 1].register_forward_hook(capture(layer, layer == wanted[-1])))
     try:
         model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
     except _Stop:
@@ -92,9 +87,6 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
     """
     from safetensors.torch import load_file, save
-
-    from selfspec.runtime.identity import base_model_identity
-    from selfspec.runtime.io import atomic_write_bytes
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.runtime.adapters import export_backbone_adapter
 from selfspec.runtime.models import load_model
 from selfspec.training import checkpoints, session
 from selfspec.training import config as C
@@ -212,8 +213,6 @@ class Recipe:
         ``output_dir`` and merged into the base (``selfspec.runtime.adapters.export_backbone_adapter``), so that
         ``save_pretrained(..., backbone_adapter=staging)`` writes it with the heads in one atomic step."""
         import tempfile
-
-        from selfspec.runtime.adapters import export_backbone_adapter
 
         with tempfile.TemporaryDirectory(dir=self.output_dir) as staging:
             spec, merged = export_backbone_adapter(self.peft, staging)

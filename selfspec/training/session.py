@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.training import data as D
 from selfspec.training.config import DataConfig
 
 
@@ -48,8 +49,6 @@ def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, a
         ValueError / FileNotFoundError: bad data (see ``selfspec.training.data``), before any training starts.
     """
     from tqdm.auto import tqdm
-
-    from selfspec.training import data as D
 
     work_dir = Path(work_dir)
     source = data.source

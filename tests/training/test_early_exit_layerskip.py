@@ -21,7 +21,7 @@ from selfspec.runtime.identity import BaseModelMismatchError, base_model_identit
 from selfspec.runtime.models import load_model
 from selfspec.testing import early_exit_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "early_exit" / "tiny-layerskip.yaml"
 
 

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
+from decoding.drafter import SamplingParams
+from selfspec.bench import runner as bench
 from selfspec.bench.methods import Generation, GenSettings, parse_method, register_method
 from selfspec.bench.report import write_results
 from selfspec.bench.runner import BenchRun, first_difference, run_benchmark, summarize, synthetic_prompts
-from selfspec.bench import runner as bench
 from selfspec.cli import main
 from selfspec.runtime.models import load_model
 from selfspec.testing import tiny_model
@@ -170,7 +171,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 def test_sampling_skips_the_lossless_check():
     model = tiny_model("llama")
-    run = run_benchmark(model, synthetic_prompts(96, 1), ["none"], GenSettings(max_new_tokens=4, temperature=1.0),
+    run = run_benchmark(model, synthetic_prompts(96, 1), ["none"], GenSettings(max_new_tokens=4, sampling=SamplingParams(temperature=1.0)),
                         warmup_tokens=1, progress=False)
     assert isinstance(run, BenchRun)
     entry = summarize(model, run)["none"]

@@ -12,7 +12,7 @@ import torch
 from selfspec.bench.ablate import expand_grid, load_grid, run_ablation
 from selfspec.cli import main
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "ablations" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "ablations" / "smoke.yaml"
 
 
 def test_smoke_grid_writes_csv_and_plots(tmp_path):

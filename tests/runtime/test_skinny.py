@@ -118,12 +118,12 @@ def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built,
     heads.set_draft_vocab(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40])
     features = torch.randn(2, 1, 3, model.config.hidden_size)
     with torch.inference_mode():
-        stock = heads.draft_logits(features)
+        stock, ids = heads.draft_logits(features)
         calls = []
         kernel = skinny.linear
         monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
         set_linear_backend(model, "skinny")
-        fast = heads.draft_logits(features)
+        fast, fast_ids = heads.draft_logits(features)
     assert calls == [6]  # one call for both heads' 3 rows, against the 40-token slice of the LM head
     torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
-    assert fast.shape == (2, 1, 3, 40)
+    assert fast.shape == (2, 1, 3, 40) and fast_ids is ids is heads.draft_vocab

@@ -17,7 +17,7 @@ from selfspec import training as T
 from selfspec.runtime.models import load_model
 from selfspec.testing import early_exit_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "early_exit" / "tiny.yaml"
 
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
 PROMPTS = ("Write a haiku about the sea.", "What is 12 times 7?")
 NEW_TOKENS = 32
-COMMITTED = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-early-exit"
+COMMITTED = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct-early-exit"
 
 
 @pytest.fixture(scope="module")

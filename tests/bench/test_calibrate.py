@@ -87,8 +87,10 @@ def test_plain_decoding_wins_when_every_tree_costs_more_than_it_gains(monkeypatc
     assert best.size == 0 and best.choices == [] and all(c.predicted_tau < 3 for c in candidates)
     heads = MedusaHeads.for_model(model, num_heads=3, head_accuracy=ACCURACY, tree=[[0], [1]])
     heads.save_pretrained(tmp_path)
-    cal.save_tree(tmp_path, best, cal.report_dict(best, candidates))
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    cal.save_tree(model, tmp_path, best, cal.report_dict(best, candidates))
     assert MedusaConfig.load(tmp_path).tree == []
+    assert (tmp_path / "model.safetensors").read_bytes() == weights  # saved again by the heads' own save_pretrained
     assert make_drafter("medusa", model, str(tmp_path)).template.choices == []  # not the default tree
     assert is_complete(tmp_path, check_sizes=True)  # rewritten as a whole: the completion marker is still true
 

@@ -73,7 +73,7 @@ def test_greedy_equality_sequential_heads_with_lookup_on_the_skinny_kernel(smoll
     from selfspec.runtime.kernels import linear_backend
 
     model, tokenizer = smollm2
-    heads_dir = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-medusa-seq")
+    heads_dir = str(Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct-medusa-seq")
     with linear_backend(model, "skinny"):
         drafter = make_combined([("medusa", heads_dir), ("lookup", None)], model, {})
         taus = []

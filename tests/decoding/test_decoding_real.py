@@ -11,7 +11,7 @@ from decoding import generate
 from selfspec.runtime.prompts import encode_prompt, read_prompts
 from selfspec.testing import OracleDrafter, RandomDrafter
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
 

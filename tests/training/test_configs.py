@@ -12,7 +12,7 @@ import yaml
 
 from selfspec.training import apply_overrides, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 # Recipe configs name their recipe in the header (train/<name>.py --config ...); other YAMLs (ablation grids, ...)
 # belong to their own commands and tests.

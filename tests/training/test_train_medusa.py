@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import medusa.recipe as medusa_recipe
 from selfspec.runtime.models import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "train/medusa.py"
 TINY = ROOT / "configs/medusa/tiny.yaml"
 

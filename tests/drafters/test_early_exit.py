@@ -224,7 +224,7 @@ def test_sampling_with_a_tree_draft_is_seeded():
 
 
 def test_exit_layer_table_script(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "table.md"
     subprocess.run([sys.executable, str(root / "scripts" / "exit_layer_table.py"), "--model", "tiny:llama",
                     "--stride", "1", "--num-prompts", "1", "--new-tokens", "12", "--output", str(out)],

@@ -17,7 +17,7 @@ from early_exit.layer_skip import search_skip_layers
 from selfspec.runtime.identity import base_model_identity
 from selfspec.testing import LLAMA_FAMILY, prefilled_state, random_prompt, snapshot, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("skip", [[4], [-1], [0, 1, 2, 3]])
