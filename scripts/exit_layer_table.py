@@ -18,18 +18,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decoding.generate import generate  # noqa: E402
-from early_exit import DraftPolicy, EarlyExitDrafter, ExitClassifier, new_classifier  # noqa: E402
-from early_exit.estimates import calibration_set, chain_speedup, exit_agreement, relative_cost  # noqa: E402
+from decoding.generate import generate
+from early_exit import DraftPolicy, EarlyExitDrafter, ExitClassifier, new_classifier
+from early_exit.estimates import calibration_set, chain_speedup, exit_agreement, relative_cost
 from selfspec.runtime.layers import num_decoder_layers
+from selfspec.runtime.models import load_model
+from selfspec.runtime.prompts import encode_prompt, read_prompts
+from selfspec.training.data import BUILTIN_PROMPTS
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
-    from selfspec.runtime.prompts import encode_prompt, read_prompts
-    from selfspec.training.data import BUILTIN_PROMPTS
-
     texts = [p["prompt"] for p in read_prompts(path, limit)] if path else BUILTIN_PROMPTS[:limit]
     return [encode_prompt(tokenizer, text) for text in texts]
 
@@ -71,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--output", help="write the markdown table (and a .json beside it) here")
     args = parser.parse_args(argv)
-
-    from selfspec.runtime.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+
+from selfspec.runtime import cache as kv
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import load_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,10 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=12, help="timed forwards per backend and size (median)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from selfspec.runtime import cache as kv
-    from selfspec.runtime.kernels import set_linear_backend
-    from selfspec.runtime.models import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)

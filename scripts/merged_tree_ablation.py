@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+import decoding
+from decoding.registry import make_combined
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import load_model
+from selfspec.runtime.prompts import encode_prompt
 
 DEFAULT_SETTINGS = ("m4+l4=;m4+l6=lookup.num_tokens=6;m4+l6x2=lookup.num_tokens=6,lookup.num_candidates=2;"
                     "m6+l6=tree=6,lookup.num_tokens=6;m3+l8x2=tree=3,lookup.num_tokens=8,lookup.num_candidates=2;"
@@ -42,12 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linear-backend", default="auto", choices=("auto", "stock", "onednn", "skinny"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import decoding
-    from decoding.registry import make_combined
-    from selfspec.runtime.kernels import set_linear_backend
-    from selfspec.runtime.models import load_model
-    from selfspec.runtime.prompts import encode_prompt
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)

@@ -19,6 +19,12 @@ from pathlib import Path
 
 import torch
 
+from decoding import generate
+from selfspec.bench.methods import DrafterMethod, parse_method
+from selfspec.bench.runner import eos_of, load_prompts
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import load_model
+
 PHASES = ("draft", "verify", "accept", "compact", "observe")
 
 
@@ -47,12 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="operators to list with --ops")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
-
-    from decoding import generate
-    from selfspec.bench.methods import DrafterMethod, parse_method
-    from selfspec.bench.runner import eos_of, load_prompts
-    from selfspec.runtime.kernels import set_linear_backend
-    from selfspec.runtime.models import load_model
 
     torch.set_num_threads(args.threads)
     prompts_path = args.prompts

@@ -14,23 +14,21 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decoding.generate import generate  # noqa: E402
-from early_exit import DraftPolicy, LayerSkipConfig, LayerSkipDrafter  # noqa: E402
-from early_exit.estimates import calibration_set  # noqa: E402
-from early_exit.layer_skip import search_skip_layers  # noqa: E402
+from decoding.generate import generate
+from early_exit import DraftPolicy, LayerSkipConfig, LayerSkipDrafter
+from early_exit.estimates import calibration_set
+from early_exit.layer_skip import search_skip_layers
+from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.layers import num_decoder_layers
+from selfspec.runtime.models import load_model
+from selfspec.runtime.prompts import encode_prompt, read_prompts
+from selfspec.training.data import BUILTIN_PROMPTS
 
 
 def encoded_prompts(tokenizer, path: str | None, limit: int) -> list[torch.Tensor]:
-    from selfspec.runtime.prompts import encode_prompt, read_prompts
-    from selfspec.training.data import BUILTIN_PROMPTS
-
     texts = [p["prompt"] for p in read_prompts(path, limit)] if path else BUILTIN_PROMPTS[:limit]
     return [encode_prompt(tokenizer, text) for text in texts]
 
@@ -61,9 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-skip", type=int, default=None, help="most layers to skip (default: no limit)")
     parser.add_argument("--measure-tokens", type=int, default=64, help="tokens per prompt for the final measurement")
     args = parser.parse_args(argv)
-
-    from selfspec.runtime.identity import base_model_identity
-    from selfspec.runtime.models import load_model
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)

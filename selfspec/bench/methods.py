@@ -76,7 +76,6 @@ def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
 
 
 def available_methods() -> list[str]:
-
     return sorted(set(_METHODS) | set(available_drafters()))
 
 
@@ -189,7 +188,6 @@ class DrafterMethod:
         self._built: tuple[Any, Any] | None = None  # (model, drafter)
 
     def drafter(self, model: Any) -> Any:
-
         if self._built is None or self._built[0] is not model:
             built = (make_combined(self.parts, model, self.options) if self.parts
                      else make_drafter(self.drafter_name, model, self.heads_dir, **self.options))
@@ -197,7 +195,6 @@ class DrafterMethod:
         return self._built[1]
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-
         drafter = self.drafter(model)
         input_ids = input_ids.to(model.device)
         generator = None if settings.greedy else torch.Generator().manual_seed(settings.seed)

@@ -77,7 +77,6 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 
 
 def run(args: argparse.Namespace) -> int:
-
     torch.set_num_threads(args.threads)
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
@@ -114,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_replay(args, config, model, tokenizer, backend: str) -> int:
-
     prompts = _calibration_prompts(args, model, tokenizer)
     print(f"calibration: greedy continuations of {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
     references = make_references(model, [p.input_ids for p in prompts], args.max_new_tokens,

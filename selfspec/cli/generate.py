@@ -30,7 +30,6 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def _drafter_name(text: str) -> str:
-
     unknown = [part for part in text.split("+") if part not in available_drafters()]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}; choose from "
@@ -39,7 +38,6 @@ def _drafter_name(text: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-
     p = sub.add_parser("generate", help="generate text with speculative decoding",
                        description="Generate with the base model verifying drafts from its own heads or layers.")
     p.add_argument("--model", default=None, help="model alias, hub id or local path (default: the embedded model)")

@@ -17,7 +17,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     for name in args.prepare:
         print(f"{name}: ready in {resolve_model(name)}")
     entries = list_models()
