@@ -16,12 +16,13 @@ from early_exit.classifier import new_classifier
 from medusa.heads import MedusaHeads
 from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.prompts import encode_prompt
 from selfspec.runtime.tiny import ARCHITECTURES, TINY_CONFIGS, byte_tokenizer, tiny_config, tiny_model
 
 __all__ = [
     "ARCHITECTURES", "LLAMA_FAMILY", "MEDUSA_TEST_TREES", "TINY_CONFIGS", "OracleDrafter", "RandomDrafter",
     "assert_linear_backend_is_exact_and_lossless", "assert_random_trees_decode_losslessly", "attention_classifier",
-    "byte_tokenizer", "early_exit_overrides", "greedy_reference", "prefilled_state", "prefix_heads", "random_prompt",
+    "byte_tokenizer", "early_exit_overrides", "greedy_reference", "hf_greedy_continuations", "prefilled_state", "prefix_heads", "random_prompt",
     "randomize_heads", "sequential_heads", "snapshot", "tiny_config", "tiny_model", "write_prompt_response_data",
 ]
 
@@ -209,3 +210,16 @@ def randomize_heads(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> Me
         for p in heads.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
     return heads
+
+
+def hf_greedy_continuations(model, tokenizer, texts, max_new_tokens: int) -> dict[str, list[list[int]]]:
+    """``{text: [[prompt + continuation ids]]}``: HF greedy ``generate`` on each chat-templated prompt, stopping at
+    the tokenizer's EOS, the reference every drafter on a real model must reproduce."""
+    eos = tokenizer.eos_token_id
+    out = {}
+    for text in texts:
+        ids = encode_prompt(tokenizer, text)
+        out[text] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                                   temperature=None, top_p=None, top_k=None).tolist()
+    return out

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import decoding
 from decoding.registry import make_drafter
 from selfspec.runtime.prompts import encode_prompt
+from selfspec.testing import hf_greedy_continuations
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
@@ -20,15 +20,8 @@ COMMITTED = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instru
 
 @pytest.fixture(scope="module")
 def references(smollm2) -> dict[str, list[list[int]]]:
-    model, tokenizer = smollm2
-    eos = tokenizer.eos_token_id
-    out = {}
-    for text in PROMPTS:
-        ids = encode_prompt(tokenizer, text)
-        out[text] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos,
-                                   temperature=None, top_p=None, top_k=None).tolist()
-    return out
+    """HF greedy ``generate`` for each prompt, computed once for every drafter checked against it."""
+    return hf_greedy_continuations(*smollm2, PROMPTS, NEW_TOKENS)
 
 
 DRAFTS = {

@@ -12,6 +12,7 @@ import decoding
 from medusa import MedusaDrafter, MedusaHeads, load
 from selfspec.cli.demo import default_heads_dir
 from selfspec.runtime.prompts import encode_prompt
+from selfspec.testing import hf_greedy_continuations
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
@@ -22,15 +23,7 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def references(smollm2) -> dict[str, list[list[int]]]:
     """HF greedy ``generate`` for each prompt, computed once for every drafter checked against it."""
-    model, tokenizer = smollm2
-    eos = tokenizer.eos_token_id
-    out = {}
-    for text in PROMPTS:
-        ids = encode_prompt(tokenizer, text)
-        out[text] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos,
-                                   temperature=None, top_p=None, top_k=None).tolist()
-    return out
+    return hf_greedy_continuations(*smollm2, PROMPTS, NEW_TOKENS)
 
 
 def _check(smollm2, references, drafter) -> list[float]:
