@@ -20,6 +20,7 @@ from selfspec.runtime import cache as kv
 
 # Cache entries preallocated beyond prompt + max_new_tokens, for the tree of the last step (more grows the buffer).
 _TREE_SLACK = 128
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -240,7 +241,8 @@ def generate(
         tree = drafter.propose(state)
         if tree is None:
             tree = DraftTree.empty()
-        tree = prune_to_depth(tree, remaining - 1)
+        # Tree structure lives on the CPU (depth, masks, paths); drafters on a GPU may build it there.
+        tree = prune_to_depth(tree.to(_CPU), remaining - 1)
         if len(tree) and int(tree.tokens.max()) >= vocab:
             raise ValueError(f"drafter proposed token id {int(tree.tokens.max())} outside the model's vocabulary ({vocab})")
         t1 = time.perf_counter()

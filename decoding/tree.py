@@ -75,6 +75,14 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def to(self, device: torch.device) -> DraftTree:
+        """This tree with its tensors on ``device`` (itself when they are there already). ``decoding.generate``
+        keeps every proposed tree on the CPU, where its derived structure (depth, ancestor mask) is built."""
+        if self.tokens.device == device and (self.draft_probs is None or self.draft_probs.device == device):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs.to(device)
+        return DraftTree(self.tokens.to(device), self.parents.to(device), probs)
+
     @cached_property
     def _parents_list(self) -> list[int]:
         return self.parents.tolist()

@@ -81,7 +81,7 @@ def greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
     ``logits``: ``[n + 1, vocab]``, row 0 for the root.
     """
-    target = logits.argmax(dim=-1)  # [n + 1]
+    target = logits.argmax(dim=-1).cpu()  # [n + 1], beside the tree's structure (always on the CPU)
     if len(tree) == 0:
         return Verdict([], int(target[0]))
     correct = tree.tokens == target[tree.parents + 1]
@@ -92,7 +92,8 @@ def greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
 
 def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
+    # On the CPU, where the caller's generator lives (the draw is one per step; p is one vocabulary row).
+    return int(torch.multinomial(p.cpu(), 1, generator=generator))
 
 
 def speculative(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
@@ -117,7 +118,7 @@ def speculative(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
             if tree.draft_probs is None:
                 q_x = 1.0
             else:
-                q = tree.draft_probs[child].to(p.dtype)
+                q = tree.draft_probs[child].to(device=p.device, dtype=p.dtype)
                 q_x = float(q[x])
             p_x = float(p[x])
             if q_x > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) * q_x < p_x:

@@ -71,3 +71,10 @@ def test_prune_to_depth_keeps_a_valid_subtree():
     assert pruned.parents.tolist() == [-1, 0, -1, 2]
     assert prune_to_depth(tree, 10) is tree
     assert len(prune_to_depth(tree, 0)) == 0
+
+
+def test_to_keeps_a_tree_already_on_the_device():
+    # decoding.generate moves every proposed tree to the CPU (a drafter on a GPU builds it there); a tree already
+    # on the CPU must not be copied.
+    tree = DraftTree(torch.tensor([4, 5]), torch.tensor([-1, 0]), torch.full((2, 8), 0.125))
+    assert tree.to(torch.device("cpu")) is tree
