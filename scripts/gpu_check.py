@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -27,8 +26,8 @@ import transformers
 
 from decoding import generate
 from decoding.registry import make_drafter
+from selfspec.bench.cost import cost_curves
 from selfspec.bench.runner import first_difference, top2_gaps
-from selfspec.runtime import cache as kv
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt, read_prompts
 
@@ -38,27 +37,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cost_curve(model, sizes: list[int], prefix: int, repeats: int) -> dict[int, float]:
-    """Median forward ms per token count, over ``prefix`` cached tokens (the cache is rolled back after each)."""
-    device = model.device
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0)).to(device)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    with torch.inference_mode():
-        cache = kv.new_cache(model, capacity=prefix + max(sizes) + 8)
-        model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
-        for repeat in range(repeats + 3):  # three warm-up rounds
-            for n in sizes:
-                sync(device)
-                start = time.perf_counter()
-                model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
-                sync(device)
-                if repeat >= 3:
-                    times[n].append(time.perf_counter() - start)
-                kv.keep_accepted(cache, prefix, [])
-    return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
 
 def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos) -> list[int]:
@@ -92,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(environment), flush=True)
 
     sizes = [int(n) for n in args.tokens.split(",")]
-    curve = cost_curve(model, sizes, args.prefix, args.repeats)
+    curve = cost_curves(model, sizes, prefix=args.prefix, repeats=args.repeats, warmup=3)["stock"]
     print(f"forward ms, {args.prefix} cached tokens (ratio to 1 token):")
     for n, ms in curve.items():
         print(f"  {n:3d} tokens: {ms:7.2f} ms ({ms / curve[sizes[0]]:.2f}x)", flush=True)

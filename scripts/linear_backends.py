@@ -12,13 +12,10 @@ mask left to the model (the cost of the tree mask itself is part of ``selfspec c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from selfspec.runtime import cache as kv
-from selfspec.runtime.kernels import set_linear_backend
+from selfspec.bench.cost import cost_curves
 from selfspec.runtime.models import load_model
 
 
@@ -35,31 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
     backends, sizes = args.backends.split(","), [int(n) for n in args.tokens.split(",")]
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (1, args.prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
-    seconds: dict[tuple[str, int], list[float]] = {(b, n): [] for b in backends for n in sizes}
-    with torch.inference_mode():
-        cache = kv.new_cache(model, capacity=args.prefix + max(sizes) + 8)
-        model(input_ids=ids[:, :args.prefix], cache=cache, use_cache=True)
-        for repeat in range(args.repeats + 2):  # the first two are warm-up (packing, page faults)
-            for backend in backends:
-                set_linear_backend(model, backend)
-                for n in sizes:
-                    start = time.perf_counter()
-                    model(input_ids=ids[:, args.prefix:args.prefix + n], cache=cache, use_cache=True)
-                    if repeat >= 2:
-                        seconds[(backend, n)].append(time.perf_counter() - start)
-                    kv.keep_accepted(cache, args.prefix, [])
+    curves = cost_curves(model, sizes, backends, prefix=args.prefix, repeats=args.repeats)
     print(f"forward ms (median of {args.repeats}), {args.threads} threads, prefix {args.prefix}; "
           "in brackets: cost relative to the same backend's 1-token forward")
     print("| tokens | " + " | ".join(backends) + " |")
     print("|---:|" + "---:|" * len(backends))
     for n in sizes:
-        cells = []
-        for backend in backends:
-            ms = statistics.median(seconds[(backend, n)]) * 1e3
-            base = statistics.median(seconds[(backend, sizes[0])]) * 1e3
-            cells.append(f"{ms:.1f} ({ms / base:.2f}x)")
+        cells = [f"{curves[b][n]:.1f} ({curves[b][n] / curves[b][sizes[0]]:.2f}x)" for b in backends]
         print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
 

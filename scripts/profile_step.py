@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     other = loop - sum(totals[p] for p in PHASES)
     print(f"{args.draft} on {args.model} ({backend} linears, {args.threads} threads): {len(prompts)} prompts, "
           f"{tokens} tokens in {steps} steps, tau {tokens / max(steps, 1):.2f}, {tokens / totals['total']:.2f} tokens/s")
-    print(f"| phase | ms per step | share of the decode loop |\n|---|---:|---:|")
+    print("| phase | ms per step | share of the decode loop |\n|---|---:|---:|")
     for phase in (*PHASES, "other"):
         seconds = other if phase == "other" else totals[phase]
         print(f"| {phase} | {1e3 * seconds / max(steps, 1):.2f} | {100 * seconds / loop:.1f}% |")

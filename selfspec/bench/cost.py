@@ -1,0 +1,67 @@
+"""What a verification of ``n`` tokens costs on this machine: the forward cost curve behind every tree choice.
+
+``cost_curve(model, sizes)`` is the median forward time of ``n`` new tokens over ``prefix`` cached ones, for each
+``n``; the cache is rolled back after each forward, so every measurement sees the same prefix. Several linear
+backends are measured interleaved (one round over every backend and size, repeated), so that a slow moment of a
+shared machine falls on all of them alike. A flat curve (8 tokens costing what 1 costs) is what makes trees pay.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from selfspec.runtime import cache as kv
+from selfspec.runtime.kernels import linear_backend
+
+
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), e.g. ``AMD EPYC 7B13``; ``platform.processor()`` elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cost_curves(model: Any, sizes: Sequence[int], backends: Sequence[str] = ("stock",), *, prefix: int = 256,
+                repeats: int = 12, warmup: int = 2, seed: int = 0) -> dict[str, dict[int, float]]:
+    """``{backend: {tokens: median forward ms}}`` over ``prefix`` cached tokens of random ids.
+
+    Raises:
+        ValueError: no sizes, a size below 1, or fewer than one repeat.
+    """
+    if not sizes or min(sizes) < 1 or repeats < 1:
+        raise ValueError(f"cost curve: need token counts >= 1 and repeats >= 1, got {list(sizes)} and {repeats}")
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
+    seconds: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in backends}
+    with torch.inference_mode():
+        cache = kv.new_cache(model, capacity=prefix + max(sizes) + 8)
+        model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
+        for round_ in range(warmup + repeats):  # the warm-up rounds pack weights and fault pages in
+            for backend in backends:
+                with linear_backend(model, backend):
+                    for n in sizes:
+                        _sync(device)
+                        start = time.perf_counter()
+                        model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
+                        _sync(device)
+                        if round_ >= warmup:
+                            seconds[backend][n].append(time.perf_counter() - start)
+                        kv.crop(cache, prefix)  # back to the prefix: every forward sees the same context
+    return {b: {n: statistics.median(t) * 1e3 for n, t in per_size.items()} for b, per_size in seconds.items()}

@@ -1,0 +1,68 @@
+"""``selfspec cost``: the forward cost curve of this machine, for the linear backend in effect and for stock PyTorch.
+
+Prints, per token count, the median forward ms over 256 cached tokens and its ratio to the 1-token forward (what a
+tree of that many nodes costs against a plain step); ``--json`` prints one object
+``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..}, "stock_ms": {"1": ..}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from selfspec.bench.cost import cost_curves, cpu_model
+from selfspec.cli.bench import add_backend_argument
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.models import load_model
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens takes token counts >= 1, got {text!r}")
+    return sorted(set(sizes) | {1})
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("cost", help="forward cost per token count (what a tree costs) on this machine",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, hub id or path; tiny:ARCH for a test model")
+    p.add_argument("--tokens", type=_sizes, default=_sizes("1,2,4,8,16,24"),
+                   help="token counts per forward (1 is always measured: the ratios are to it)")
+    p.add_argument("--prefix", type=int, default=256, help="cached tokens before each forward (default 256)")
+    p.add_argument("--repeats", type=int, default=12, help="timed rounds; the median is reported (default 12)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_backend_argument(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.prefix < 1:
+        raise ValueError("--repeats and --prefix must be at least 1")
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model)
+    chosen = set_linear_backend(model, args.linear_backend)
+    backends = [chosen] if chosen == "stock" else [chosen, "stock"]
+    curves = cost_curves(model, args.tokens, backends, prefix=args.prefix, repeats=args.repeats)
+    result = {"cpu": cpu_model(), "chosen": chosen, "threads": torch.get_num_threads(), "prefix": args.prefix,
+              "ms": {str(n): ms for n, ms in curves[chosen].items()},
+              "stock_ms": {str(n): ms for n, ms in curves["stock"].items()}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['cpu']}, {result['threads']} threads, {args.prefix} cached tokens; forward ms (ratio to 1 token)")
+    print(f"| tokens | {chosen} (chosen) | stock |" if chosen != "stock" else "| tokens | stock (chosen) |")
+    print("|---:|---:|---:|" if chosen != "stock" else "|---:|---:|")
+    one, stock_one = curves[chosen][1], curves["stock"][1]
+    for n in args.tokens:
+        cells = [f"{curves[chosen][n]:.1f} ({curves[chosen][n] / one:.2f}x)"]
+        if chosen != "stock":
+            cells.append(f"{curves['stock'][n]:.1f} ({curves['stock'][n] / stock_one:.2f}x)")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    return 0

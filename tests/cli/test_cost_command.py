@@ -1,0 +1,53 @@
+"""``selfspec cost``: the forward cost curve, as a table or one JSON object, for the chosen backend and stock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from selfspec.bench.cost import cost_curves, cpu_model
+from selfspec.cli import main
+from selfspec.runtime.models import load_model
+
+
+def test_json_has_the_documented_keys(capsys):
+    rc = main(["cost", "--model", "tiny:llama", "--tokens", "2,4", "--repeats", "2", "--prefix", "16", "--threads",
+               "1", "--linear-backend", "onednn", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"cpu", "chosen", "ms", "stock_ms"} and result["cpu"] == cpu_model() != ""
+    assert result["chosen"] == "onednn"
+    assert set(result["ms"]) == set(result["stock_ms"]) == {"1", "2", "4"}  # 1 is always measured
+    assert all(ms > 0 for ms in [*result["ms"].values(), *result["stock_ms"].values()])
+
+
+def test_table_names_the_cpu_and_the_ratios(capsys):
+    assert main(["cost", "--model", "tiny:llama", "--tokens", "1,3", "--repeats", "1", "--prefix", "8",
+                 "--threads", "1", "--linear-backend", "stock"]) == 0
+    out = capsys.readouterr().out
+    assert cpu_model() in out and "| 1 | " in out and "(1.00x)" in out and "| 3 | " in out
+
+
+def test_every_measured_forward_sees_the_same_prefix():
+    # The cache is rolled back after each forward: otherwise later sizes would attend over a longer context.
+    model, _ = load_model("tiny:llama")
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["input_ids"].shape[1], kwargs["cache"].get_seq_length())),
+        with_kwargs=True)
+    try:
+        curves = cost_curves(model, [1, 3], ["stock"], prefix=8, repeats=2, warmup=1)
+    finally:
+        hook.remove()
+    assert set(curves["stock"]) == {1, 3}
+    assert seen[0] == (8, 0)  # the prefill
+    assert seen[1:] == [(1, 8), (3, 8)] * 3  # one warm-up round and two timed ones, always over 8 cached tokens
+
+
+@pytest.mark.parametrize("tokens", ["0,2", "a,b", ""])
+def test_bad_token_counts_are_refused_before_loading(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cost", "--model", "no-such-model", "--tokens", tokens])
+    assert exit_info.value.code == 2
+    assert "--tokens" in capsys.readouterr().err
