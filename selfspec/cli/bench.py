@@ -10,6 +10,7 @@ from decoding.drafter import SamplingParams
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.report import markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
+from selfspec.cli.checks import positive_int, probability, temperature
 from selfspec.runtime.kernels import BACKENDS, set_linear_backend
 from selfspec.runtime.models import is_test_model, load_model
 
@@ -19,8 +20,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="alias, hub id or path; tiny:ARCH for a random tiny model (synthetic prompts)")
     parser.add_argument("--prompts", help="Spec-Bench / MT-bench JSONL file (first turn, chat template)")
-    parser.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--limit", type=positive_int, default=10, help="number of prompts (default 10)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and synthetic prompts")
     add_backend_argument(parser)
 
@@ -48,10 +49,10 @@ def register(subparsers) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
     p.add_argument("--methods", default="vanilla,hf-pld,none", help="comma-separated method specs")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the lossless check needs greedy)")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (the lossless check needs greedy)")
+    p.add_argument("--top-k", type=positive_int)
+    p.add_argument("--top-p", type=probability)
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's untimed warm-up")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -10,6 +10,7 @@ import torch
 
 from decoding import available_drafters, generate, make_drafter
 from selfspec.cli.bench import add_backend_argument
+from selfspec.cli.checks import positive_int, probability, temperature
 from selfspec.runtime.adapters import adapter_spec
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import DEFAULT_MODEL, load_model
@@ -25,7 +26,12 @@ def parse_options(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ValueError(f"--draft-option expects key=value, got {pair!r}")
         key, value = pair.split("=", 1)
-        options[key.strip()] = yaml.safe_load(value)
+        try:
+            options[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ValueError(f"--draft-option {key.strip()}: cannot read {value!r} ({problem}); values are YAML, "
+                             "e.g. tree=[[0],[0,0],[1]] or threshold=0.5") from None
     return options
 
 
@@ -50,16 +56,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="one prompt (user turn; the chat template is applied)")
     src.add_argument("--prompts", default=None, help="JSONL file in Spec-Bench format (first turn of 'turns')")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of --prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts of --prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=probability, default=None)
+    p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--acceptance", default="auto", choices=["auto", "greedy", "speculative", "typical"],
                    help="typical is Medusa's typical acceptance: faster at high temperature, NOT lossless")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     add_backend_argument(p)
     p.set_defaults(func=run)
@@ -76,12 +82,16 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts, args.limit)
     else:
         raise ValueError("give --prompt TEXT or --prompts FILE.jsonl")
+    if args.heads is not None and args.draft == "none":
+        raise ValueError(f"--heads {args.heads} is given but no drafter: add --draft medusa (or early-exit, layer-skip; "
+                         "medusa+lookup to merge with prompt lookup)")
+    options = parse_options(args.draft_option)  # a malformed option fails here, before the model loads
     model_name = args.model or DEFAULT_MODEL
     if args.model is None and args.heads and adapter_spec(args.heads):
         model_name = args.heads  # heads trained with a LoRA backbone (Medusa-2, LayerSkip) decode the adapted model
     model, tokenizer = load_model(model_name)
     set_linear_backend(model, args.linear_backend)
-    drafter = make_drafter(args.draft, model, args.heads, **parse_options(args.draft_option))
+    drafter = make_drafter(args.draft, model, args.heads, **options)
     for item in prompts:
         input_ids = encode_prompt(tokenizer, item["prompt"], chat=not args.no_chat)
         streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
