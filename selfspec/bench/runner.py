@@ -8,12 +8,17 @@ synthetic prompts of random ids when no prompts file is given).
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
+from selfspec.bench.cost import cpu_model
 from selfspec.bench.methods import Generation, GenSettings, Method, parse_method
 from selfspec.runtime.prompts import encode_prompt, read_prompts
 
@@ -197,12 +202,6 @@ def mean_tau(gens: Sequence[Generation]) -> float | None:
 
 def environment() -> dict:
     """Where and when a benchmark ran, for results.json."""
-    import datetime
-    import os
-    import platform
-
-    import transformers
-
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
