@@ -223,3 +223,28 @@ def hf_greedy_continuations(model, tokenizer, texts, max_new_tokens: int) -> dic
                                    max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
                                    temperature=None, top_p=None, top_k=None).tolist()
     return out
+
+
+def eagle_draft(model, seed: int = 0, draft_vocab_size: int | None = None, share_lm_head: bool = True,
+                aux_layers=None, scale: float = 0.3):
+    """An EAGLE-3 draft model for ``model`` with random, nonzero weights (deterministic in ``seed``); with a
+    draft vocabulary, a random subset of the base vocabulary (so draft column != token id)."""
+    from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers
+    from selfspec.runtime.identity import base_model_identity
+    from selfspec.runtime.layers import num_decoder_layers
+
+    vocab = model.config.vocab_size
+    size = draft_vocab_size or vocab
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=gen)[:size].sort().values if size < vocab else torch.arange(vocab)
+    config = EagleConfig(hidden_size=model.config.hidden_size, vocab_size=vocab, draft_vocab_size=size,
+                         aux_layers=list(aux_layers or default_aux_layers(num_decoder_layers(model))),
+                         share_lm_head=share_lm_head, base_model=base_model_identity(model))
+    draft = EagleDraftModel(config, model, ids)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+                        * scale * p.shape[-1] ** -0.5 * 3)
+    draft.refresh_shared()
+    return draft.eval()

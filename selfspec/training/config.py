@@ -146,8 +146,16 @@ class OptimConfig:
     epochs: int = 1  # passes over the training split
     max_steps: int | None = None  # stop after this many optimizer steps (None: epochs decide)
     max_grad_norm: float | None = 1.0  # gradient clipping (None: off)
+    # Time budget: after this many minutes of training the run checkpoints, evaluates, saves what it has and
+    # stops; ``--resume`` with the same config continues where it stopped (None: no budget).
+    max_minutes: float | None = None
 
     def __post_init__(self):
+        if self.max_minutes is not None and (isinstance(self.max_minutes, bool)
+                                             or not isinstance(self.max_minutes, (int, float))
+                                             or not self.max_minutes > 0):
+            raise ValueError(f"optim.max_minutes must be a number of minutes > 0 (or null: no budget), "
+                             f"got {self.max_minutes!r}")
         if self.schedule not in ("cosine", "constant"):
             raise ValueError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:

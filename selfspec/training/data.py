@@ -57,6 +57,9 @@ def load_records(source: str, split: str = "train"):
         records = datasets.load_from_disk(str(path))
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in _FILE_BUILDERS)
+        # A self-distillation directory (scripts/self_distill.py) keeps its prompts beside the finished shards.
+        shards = [p for p in files if p.name.startswith("shard-")]
+        files = shards or files
         if not files:
             raise FileNotFoundError(f"dataset directory {path} holds no json/jsonl/parquet/arrow file")
         records = datasets.load_dataset(_FILE_BUILDERS[files[0].suffix], data_files=[str(f) for f in files],

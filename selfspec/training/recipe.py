@@ -84,7 +84,7 @@ class Recipe:
         self.accelerator = session.make_accelerator(self.output_dir, cfg.logging.report_to,
                                                     cfg.optim.gradient_accumulation_steps, cfg.seed)
         self.base, self.tokenizer = load_model(cfg.model)
-        self.base.requires_grad_(False).eval()
+        self.base.requires_grad_(False).eval().to(self.accelerator.device)
         self.train_examples, self.eval_examples = session.prepare_examples(
             cfg.data, self.base, self.tokenizer, self.output_dir / "data", self.accelerator, cfg.seed)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -153,9 +153,13 @@ class Recipe:
         self.model.train()
         self.history = []
         started = time.time()
+        self.stopped_early = False
+        budget = None if cfg.optim.max_minutes is None else cfg.optim.max_minutes * 60.0
+        tokens_seen = 0
         while self.step < self.total_steps:
             batches = [self.make_batch(ix) for ix in self._step_batches(self.step)]
             denominators = session.global_mean_denominator(acc, torch.as_tensor(sum(self.counts(b) for b in batches)))
+            tokens_seen += sum(int(b["attention_mask"].sum()) for b in batches)
             loss_sum, step_terms = 0.0, []
             for m, batch in enumerate(batches):
                 # DDP all-reduces the gradients once per optimizer step, in the backward of its last micro-batch.
@@ -179,13 +183,26 @@ class Recipe:
                 acc.log(record, step=self.step)
                 self._append_metrics(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.{self.loss_digits}f}")
+            bar.set_postfix(loss=f"{record['loss']:.{self.loss_digits}f}",
+                            tok_s=f"{tokens_seen * acc.num_processes / max(1e-9, time.time() - started):.0f}")
             if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+            if budget is not None and self.step < self.total_steps and self._out_of_time(started, budget):
+                self.stopped_early = True
+                acc.print(f"time budget of {cfg.optim.max_minutes:g} min reached at step {self.step} of "
+                          f"{self.total_steps}: checkpointing; rerun with --resume (same config) to continue")
+                if not (cfg.logging.save_every and self.step % cfg.logging.save_every == 0):
+                    self.save_checkpoint()
+                break
         bar.close()
-        if self.final_checkpoint and self.history:
+        if self.final_checkpoint and self.history and not self.stopped_early:
             self.save_checkpoint()
         self.train_seconds = time.time() - started
+
+    def _out_of_time(self, started: float, budget: float) -> bool:
+        """Whether the budget is spent, decided by the main process for all (so every process stops together)."""
+        over = torch.tensor(float(time.time() - started >= budget))
+        return bool(self.accelerator.reduce(over, reduction="sum").item() > 0)
 
     def save_checkpoint(self):
         checkpoints.save_checkpoint(self.accelerator, self.output_dir, self.step,

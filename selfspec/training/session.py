@@ -28,6 +28,9 @@ def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulati
         cpu=not torch.cuda.is_available(),
         log_with=None if report_to in ("none", "", None) else report_to,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        # Recipes step the scheduler once per optimizer step and count their schedule in optimizer steps; by default
+        # accelerate would step it num_processes times per call, so DDP runs would race through warm-up and decay.
+        step_scheduler_with_optimizer=False,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "logs")),
     )
     set_seed(seed)

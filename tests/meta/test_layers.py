@@ -25,12 +25,13 @@ LEVELS = {
     "medusa": 2,
     "early_exit": 2,
     "lookup": 2,
+    "eagle": 2,
     "selfspec.bench": 3,
     "selfspec.cli": 3,
     "selfspec.testing": 3,
 }
-DRAFTERS = ("medusa", "early_exit", "lookup")
-PROJECT = ("selfspec", "decoding", "medusa", "early_exit", "lookup")
+DRAFTERS = ("medusa", "early_exit", "lookup", "eagle")
+PROJECT = ("selfspec", "decoding", "medusa", "early_exit", "lookup", "eagle")
 
 
 def level_of(module: str) -> tuple[str, int] | None:

@@ -19,7 +19,7 @@ CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 RECIPE_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"
                   and ("train/" in p.read_text().split("\n\n")[0] or p.parent.name == "medusa")]
 ACCELERATE_CONFIGS = [p for p in CONFIGS if p.parent.name == "accelerate"]
-RECIPES = {"train/medusa.py": "medusa.recipe", "train/early_exit.py": "early_exit.recipe"}
+RECIPES = {"train/medusa.py": "medusa.recipe", "train/early_exit.py": "early_exit.recipe", "train/eagle.py": "eagle.recipe"}
 
 
 def recipe_module(script: str):

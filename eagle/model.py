@@ -1,0 +1,352 @@
+"""The EAGLE-3 draft model: one decoder layer of the base model's own class that reads the base's fused low, mid
+and high-layer hidden states together with the embedding of the next token, and drafts on its own outputs.
+
+For position ``t`` of the verified text (``s_0 .. s_c``, hidden states ``h^a_t`` of the base layers ``aux_layers``)::
+
+    g_t   = fc([h^1_t ; h^2_t ; h^3_t])                                  fused features, [hidden]
+    x     = [n_e(e(s_{t+1})) ; n_h(g_t)]                                 [2 * hidden] into q/k/v
+    a_t   = g_t + Attn(x)                                                the base layer's attention, RoPE at t
+    o_t   = a_t + MLP(n_post(a_t))                                       the base layer's MLP
+    logits over the draft vocabulary = lm_head(norm(o_t))                predicts s_{t+2}
+
+Drafting continues on the draft's own outputs: the next draft step at position ``t + 1`` reads ``o_t`` in place
+of ``g_{t+1}`` and the embedding of the token it drafted. Training unrolls exactly that ("training-time test",
+Li et al. 2025): step ``j`` of position ``t`` attends to the step-0 entries of positions ``<= t`` (the verified
+context) and to its own chain's entries of steps ``1..j`` (what the drafted ancestors wrote), which is precisely
+what a draft-tree node at depth ``j + 1`` sees at decode time. ``tests/drafters/test_eagle.py`` checks the two
+paths give the same numbers.
+
+The layer is the base model's own decoder-layer class built from its config, with q/k/v widened to ``2 * hidden``
+inputs; the embedding table (and, with ``share_lm_head``, the LM-head rows of the draft vocabulary) are the base's,
+read at run time and never saved. Supported: decoders whose layers have ``self_attn.{q,k,v}_proj``,
+``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen2/3, Mistral, Gemma).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.runtime.attention import LayerCache
+from selfspec.runtime.layers import decoder_layers, num_decoder_layers
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+FORMAT = "selfspec-eagle3"
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raises: ValueError: a base model whose decoder layer the draft layer cannot be built from."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    layer = decoder_layers(model)[0]
+    attn = getattr(layer, "self_attn", None)
+    ok = attn is not None and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")) and all(
+        hasattr(layer, m) for m in ("input_layernorm", "post_attention_layernorm", "mlp"))
+    if model_type not in SUPPORTED_MODEL_TYPES or not ok:
+        raise ValueError(f"the eagle feature drafter builds its layer from the base's decoder layer and supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}; got model_type {model_type!r}. Use --draft medusa "
+                         "for other architectures.")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / mid / high choice, in ``output_hidden_states`` indexing (``i`` = after decoder layer
+    ``i``): the outputs of layers 2, L/2 and L-3 (as vLLM and speculators capture them)."""
+    low, mid, high = 2, num_layers // 2, num_layers - 3
+    return tuple(sorted({max(1, min(num_layers, i)) for i in (low, mid, high)}))  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class EagleConfig:
+    """What a saved drafter is: shapes, the base layers it reads, its vocabulary and how it was made."""
+
+    hidden_size: int
+    vocab_size: int  # the base model's
+    draft_vocab_size: int
+    aux_layers: list[int]  # output_hidden_states indices fused by fc
+    share_lm_head: bool = True  # LM-head rows of the base (not saved) instead of a trained draft head
+    base_model: dict = dataclasses.field(default_factory=dict)  # selfspec.runtime.identity of the base
+    decoding: dict = dataclasses.field(default_factory=dict)  # default drafting policy (depth, top_k, width, nodes)
+    accuracy: list[float] | None = None  # held-out top-1 acceptance per draft depth (teacher-forced chain)
+    training: dict | None = None  # recipe, command, data and metrics
+    format: str = FORMAT
+
+    def __post_init__(self):
+        if self.format != FORMAT:
+            raise ValueError(f"not a selfspec eagle drafter config (format {self.format!r}, expected {FORMAT!r})")
+        self.aux_layers = [int(i) for i in self.aux_layers]
+        if not self.aux_layers:
+            raise ValueError("eagle config: aux_layers must name at least one base layer")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"eagle config: draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
+                             f"{self.vocab_size}]")
+
+    def save(self, directory: Path) -> None:
+        (directory / "config.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> EagleConfig:
+        """Raises: FileNotFoundError, ValueError: a missing or unreadable config, naming the file."""
+        if not path.is_file():
+            raise FileNotFoundError(f"eagle drafter config {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+            return cls(**data)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path} is not a valid eagle drafter config: {e}") from None
+
+
+class DraftCache(LayerCache):
+    """The draft layer's own KV cache: the verified positions' entries, then draft nodes appended while a tree
+    grows and cropped back before verification. Speaks the one method of transformers' ``Cache`` that an
+    attention module calls (``update``)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.append(key_states, value_states)
+
+
+def _widen(linear: nn.Linear, in_features: int) -> nn.Linear:
+    return nn.Linear(in_features, linear.out_features, bias=linear.bias is not None)
+
+
+class EagleDraftModel(nn.Module):
+    """The draft layer, its fusion ``fc``, final norm and draft head (see the module docstring).
+
+    ``base_model`` supplies the decoder-layer class and config, the embedding table, the rotary embedding and,
+    with ``config.share_lm_head``, the LM-head rows of the draft vocabulary; none of them is a submodule here.
+    ``draft_vocab`` (a buffer, saved) lists the base token id of each draft column.
+    """
+
+    def __init__(self, config: EagleConfig, base_model: nn.Module, draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        check_supported(base_model)
+        self.config = config
+        base_config = base_model.config.get_text_config() if hasattr(base_model.config, "get_text_config") \
+            else base_model.config
+        hidden = base_config.hidden_size
+        if hidden != config.hidden_size or base_config.vocab_size != config.vocab_size:
+            raise ValueError(f"eagle drafter for hidden {config.hidden_size} / vocab {config.vocab_size}, but the "
+                             f"base model has hidden {hidden} / vocab {base_config.vocab_size}")
+        total = num_decoder_layers(base_model)
+        bad = [i for i in config.aux_layers if not 0 <= i <= total]
+        if bad:
+            raise ValueError(f"eagle config: aux_layers {bad} out of range for a {total}-layer base (0..{total})")
+        layer_config = copy.deepcopy(base_config)
+        template = decoder_layers(base_model)[0]
+        self.layer = type(template)(layer_config, layer_idx=0)
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, _widen(getattr(attn, name), 2 * hidden))
+        self.hidden_norm = copy.deepcopy(self.layer.input_layernorm)
+        self.fc = nn.Linear(len(config.aux_layers) * hidden, hidden, bias=False)
+        base_norm = base_model.get_decoder().norm
+        self.norm = copy.deepcopy(base_norm)
+        if draft_vocab is None:
+            draft_vocab = torch.arange(config.draft_vocab_size)
+        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).reshape(-1)
+        if draft_vocab.numel() != config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {draft_vocab.numel()} ids, config says {config.draft_vocab_size}")
+        self.register_buffer("draft_vocab", draft_vocab, persistent=True)
+        lm_head = base_model.get_output_embeddings()
+        if config.share_lm_head:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(lm_head.weight[draft_vocab].to(self.lm_head.weight.dtype))
+        self.requires_grad_(True)  # the norm copied from the frozen base came frozen
+        # The base's modules, held outside the module tree: never trained, never saved.
+        self._base = (base_model,)
+        self.refresh_shared()
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self._base[0]
+
+    def refresh_shared(self) -> None:
+        """Re-read the base LM-head rows of the draft vocabulary (after ``draft_vocab`` or the device changed)."""
+        head = self.base_model.get_output_embeddings()
+        self._shared_rows = head.weight.detach()[self.draft_vocab.to(head.weight.device)]
+        bias = getattr(head, "bias", None)
+        self._shared_bias = None if bias is None else bias.detach()[self.draft_vocab.to(bias.device)]
+        # The rows as a (frozen, unregistered) linear layer, so that the decode-time kernels apply to it too.
+        shared = nn.Linear(self._shared_rows.shape[1], self._shared_rows.shape[0], bias=bias is not None,
+                           device="meta")
+        shared.weight = nn.Parameter(self._shared_rows, requires_grad=False)
+        if bias is not None:
+            shared.bias = nn.Parameter(self._shared_bias, requires_grad=False)
+        object.__setattr__(self, "shared_head", shared)
+
+    def linear_layers(self) -> list[nn.Linear]:
+        """Every linear layer drafting runs, the shared LM-head rows included (for ``selfspec.runtime.kernels``)."""
+        layers = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        return layers + ([self.shared_head] if self.lm_head is None else [])
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.draft_vocab.device)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary of {ids.numel()} ids for draft_vocab_size "
+                             f"{self.config.draft_vocab_size}")
+        self.draft_vocab.copy_(ids)
+        self.refresh_shared()
+        if self.lm_head is not None:
+            with torch.no_grad():
+                rows = self.base_model.get_output_embeddings().weight[ids]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+
+    # ------------------------------------------------------------ the pieces
+    def fuse(self, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[b, s, hidden]`` fused features of the base hidden states ``aux`` (one per ``aux_layers``)."""
+        return self.fc(torch.cat(list(aux), dim=-1))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base_model.get_input_embeddings()(ids)
+
+    def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache: DraftCache | None) -> torch.Tensor:
+        """One pass of the draft layer: ``hidden`` ``[b, q, hidden]`` (fused features or earlier outputs) with the
+        tokens that follow them ``next_ids`` ``[b, q]`` at ``position_ids`` -> outputs ``[b, q, hidden]``.
+
+        ``attention_mask``: bool or additive ``[b, 1, q, keys]`` over every key ``cache`` holds after this call (None:
+        each query sees every key, right for a single new position). The new keys are appended to ``cache``.
+        """
+        embeds = self.embed(next_ids).to(hidden.dtype)
+        layer = self.layer
+        x = torch.cat([layer.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        rotary = self.base_model.get_decoder().rotary_emb
+        position_embeddings = rotary(hidden, position_ids=position_ids)
+        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, cache=cache)
+        hidden = hidden + attn
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., draft_vocab_size]`` of draft outputs ``[..., hidden]``."""
+        normed = self.norm(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(normed)
+        if normed.dtype != self._shared_rows.dtype:
+            return F.linear(normed, self._shared_rows.to(normed.dtype), self._shared_bias)
+        return self.shared_head(normed)
+
+    def head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight [draft_vocab, hidden], bias)`` of the draft head (the trained one or the shared base rows)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight, None
+        return self._shared_rows, self._shared_bias
+
+    # ------------------------------------------------------------ training-time test
+    def forward(self, aux: Sequence[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                steps: int) -> list[torch.Tensor]:
+        """``unroll`` (what DDP calls)."""
+        return self.unroll(aux, input_ids, attention_mask, steps)
+
+    def unroll(self, aux: Sequence[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               steps: int) -> list[torch.Tensor]:
+        """The draft unrolled ``steps`` times over whole sequences (training-time test): ``[b, s, hidden]`` outputs
+        of each step. Step ``j`` at position ``t`` reads ``s_{t+j+1}`` and predicts ``s_{t+j+2}``; it attends to
+        the step-0 entries of positions ``<= t`` and to the step-1..j entries of position ``t`` (its own chain)."""
+        b, s = input_ids.shape
+        device = input_ids.device
+        valid = attention_mask.bool()
+        positions = torch.arange(s, device=device)
+        causal = positions[None, :] <= positions[:, None]  # [q, k]
+        first = (causal[None] & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=device)[None]  # [b, q, k]
+        diagonal = torch.eye(s, dtype=torch.bool, device=device)[None].expand(b, s, s)
+        cache = DraftCache()
+        hidden = self.fuse(aux)
+        outputs = []
+        pad = torch.zeros(b, 1, dtype=input_ids.dtype, device=device)
+        ids = input_ids
+        for j in range(steps):
+            ids = torch.cat([ids[:, 1:], pad], dim=1)  # s_{t+j+1} at position t
+            mask = torch.cat([first] + [diagonal] * j, dim=-1)[:, None]  # [b, 1, q, (j + 1) s]
+            hidden = self.step(hidden, ids, (positions + j)[None].expand(b, s), mask, cache)
+            outputs.append(hidden)
+        return outputs
+
+
+# ---------------------------------------------------------------- saving and loading
+def render_card(config: EagleConfig) -> str:
+    """The README written beside a saved drafter: what it is, how it was made, how good it is per depth."""
+    base = config.base_model or {}
+    training = dict(config.training or {})
+    command, metrics = training.pop("command", None), training.pop("metrics", None)
+    name = base.get("name_or_path") or "an unnamed base model"
+    lines = [f"# EAGLE-3 feature drafter for {name}", "",
+             f"One decoder layer of the base's own class over the fused hidden states of base layers "
+             f"{config.aux_layers} (output_hidden_states indexing) and the next token's embedding; draft vocabulary "
+             f"of {config.draft_vocab_size} of {config.vocab_size} tokens; "
+             f"{'LM-head rows shared with the base (not stored here)' if config.share_lm_head else 'its own LM head'}.",
+             "", "    selfspec generate --draft eagle --heads THIS_DIR --prompt '...'", ""]
+    if config.accuracy:
+        lines += ["## Held-out acceptance per depth (teacher-forced chain, top-1)", "", "| depth | top-1 |", "|---|---|"]
+        lines += [f"| {d + 1} | {a:.3f} |" for d, a in enumerate(config.accuracy)] + [""]
+    if command:
+        lines += ["## How it was made", "", f"    {command}", ""]
+    if metrics:
+        lines += ["## Metrics", "", "```json", json.dumps(metrics, indent=2), "```", ""]
+    if training:
+        lines += ["## Recipe", "", "```json", json.dumps(training, indent=2), "```", ""]
+    if config.decoding:
+        lines += ["## Default drafting", "", f"`{json.dumps(config.decoding)}`", ""]
+    return "\n".join(lines)
+
+
+def save_pretrained(draft: EagleDraftModel, directory: str | Path, calibration: dict | None = None) -> Path:
+    """``config.json``, ``model.safetensors`` (the draft's own weights only) and ``README.md``, written atomically."""
+    from safetensors.torch import save_file
+
+    from selfspec.runtime.io import CALIBRATION_NAME, README_NAME, WEIGHTS_NAME, atomic_directory
+
+    directory = Path(directory)
+    state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+    with atomic_directory(directory) as tmp:
+        tmp = Path(tmp)
+        draft.config.save(tmp)
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / README_NAME).write_text(render_card(draft.config))
+        if calibration is not None:
+            (tmp / CALIBRATION_NAME).write_text(json.dumps(calibration, indent=2) + "\n")
+    return directory
+
+
+def from_pretrained(directory: str | Path, base_model: nn.Module, dtype: torch.dtype | None = None) -> EagleDraftModel:
+    """A drafter saved by ``save_pretrained``, on ``base_model``'s device and dtype.
+
+    Raises:
+        FileNotFoundError: the directory or a file of it is missing.
+        selfspec.runtime.identity.BaseModelMismatchError: it was trained for another base model.
+        ValueError: an incomplete directory (no completion marker, or a file of another size than recorded) or
+            weights that do not match the config; the message names the file.
+    """
+    from safetensors.torch import load_file
+
+    from selfspec.runtime.identity import check_base_model
+    from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, is_complete
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"eagle drafter directory {directory} does not exist")
+    config = EagleConfig.load(directory / CONFIG_NAME)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"eagle drafter weights {weights} do not exist")
+    if not is_complete(directory, check_sizes=True):
+        raise ValueError(f"eagle drafter directory {directory} is incomplete or damaged (its completion marker is "
+                         "missing or a file's size differs from the one recorded): save it again")
+    if config.base_model:
+        check_base_model(config.base_model, base_model, what="eagle drafter")
+    head = base_model.get_output_embeddings().weight
+    draft = EagleDraftModel(config, base_model).to(device=head.device, dtype=dtype or head.dtype)
+    try:
+        draft.load_state_dict(load_file(str(weights), device=str(head.device)), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{weights} does not match {directory / CONFIG_NAME}: {e}") from None
+    draft.refresh_shared()
+    return draft.eval().requires_grad_(False)

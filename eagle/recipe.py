@@ -1,0 +1,294 @@
+"""Train an EAGLE-3 feature drafter on a frozen base model, with training-time test.
+
+    accelerate launch train/eagle.py --config configs/eagle/smollm2-135m.yaml [key=value ...] [--resume]
+    python train/eagle.py --config configs/eagle/tiny.yaml optim.max_steps=2
+    selfspec train eagle --config configs/eagle/smollm2-135m.yaml optim.max_minutes=60
+
+The base runs once per batch (or once in all, ``cache_hidden_states``) to give the hidden states of the fused layers
+and its own next-token distribution. The draft is unrolled ``ttt_steps`` times over every sequence (step ``j``
+drafts the token ``j + 2`` ahead, reading its own step ``j - 1`` output: ``eagle.model``), and step ``j``'s loss,
+weighted ``step_decay ** j``, is the cross-entropy between the base's distribution (restricted to the draft
+vocabulary) and the draft's: self-distillation against the teacher-forced base, not the text. The drafter
+(config.json + model.safetensors + README with held-out acceptance per depth) goes to ``heads_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tqdm.auto import tqdm
+
+from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, save_pretrained
+from selfspec import training as T
+from selfspec.runtime.identity import base_model_identity
+from selfspec.runtime.layers import num_decoder_layers
+from selfspec.training.data import collate, frequent_tokens
+
+
+@dataclasses.dataclass
+class DraftConfig:
+    aux_layers: list[int] | None = None  # base layers fused (output_hidden_states indices); None: EAGLE-3's low/mid/high
+    draft_vocab_size: int | None = None  # the N most frequent trained tokens (None: the whole vocabulary)
+    share_lm_head: bool = True  # base LM-head rows (frozen, not saved); False: a trained draft head (EAGLE-3)
+
+    def __post_init__(self):
+        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool)
+                                                  or not isinstance(self.draft_vocab_size, int)
+                                                  or self.draft_vocab_size < 1):
+            raise ValueError(f"draft.draft_vocab_size must be an integer >= 1 or null, got {self.draft_vocab_size!r}")
+
+
+@dataclasses.dataclass
+class DecodingDefaults:
+    """The drafting policy saved with the drafter (``selfspec generate`` uses it unless told otherwise)."""
+
+    depth: int = 6  # draft steps per verification
+    nodes: int = 16  # draft nodes kept per tree
+    top_k: int = 4  # children per expanded node
+    width: int = 4  # nodes expanded per depth
+
+
+@dataclasses.dataclass
+class EagleRecipeConfig:
+    model: str = "smollm2-135m-instruct"  # alias, hub id or local path; tiny:<arch> for a tiny random test model
+    output_dir: str = "runs/eagle"  # checkpoints, data, metrics.jsonl, logs
+    heads_dir: str | None = None  # the final drafter (None: <output_dir>/heads)
+    seed: int = 0  # data order and initialisation
+    num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
+    resume: bool = False  # continue from the latest complete checkpoint (same as --resume)
+    ttt_steps: int = 7  # draft steps unrolled in training (training-time test); EAGLE-3 uses 7
+    step_decay: float = 0.8  # step j's loss weight is step_decay ** j
+    loss: str = "soft"  # soft: cross-entropy to the base's distribution | hard: to the base's argmax
+    cache_hidden_states: bool = False  # run the base once over all data and keep its states on disk (else per batch)
+    hidden_cache_dir: str | None = None  # where cached states go (None: <output_dir>/data)
+    teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
+    draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
+    decoding: DecodingDefaults = dataclasses.field(default_factory=DecodingDefaults)
+    data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)
+    optim: T.OptimConfig = dataclasses.field(default_factory=T.OptimConfig)
+    logging: T.LoggingConfig = dataclasses.field(default_factory=lambda: T.LoggingConfig(project="selfspec-eagle"))
+
+    def __post_init__(self):
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
+        if self.loss not in ("soft", "hard"):
+            raise ValueError(f"loss must be soft or hard, got {self.loss!r}")
+        if self.teacher_chunk_size < 1:
+            raise ValueError(f"teacher_chunk_size must be >= 1, got {self.teacher_chunk_size!r}")
+
+
+RecipeConfig = EagleRecipeConfig  # the name the config tests look for in every recipe
+
+
+def step_positions(batch: dict, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` where draft step ``j`` is trained: position ``t`` whose token ``t + j + 2`` is a trained
+    (assistant) token; its teacher is the base's prediction at ``t + j + 1``."""
+    shift = j + 2
+    valid = batch["loss_mask"][:, shift:].bool() & batch["attention_mask"][:, :-shift].bool()
+    return valid.nonzero(as_tuple=True)
+
+
+class EagleRecipe(T.Recipe):
+    """The feature drafter on a frozen base; the loop is ``T.Recipe``'s."""
+
+    config_class = EagleRecipeConfig
+    script = "train/eagle.py"
+    progress_desc = "eagle"
+
+    # ------------------------------------------------------------ setup
+    def setup(self):
+        cfg = self.cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.setup_data()
+        base_config = self.base.config
+        vocab = base_config.vocab_size
+        aux = list(cfg.draft.aux_layers or default_aux_layers(num_decoder_layers(self.base)))
+        config = EagleConfig(hidden_size=base_config.hidden_size, vocab_size=vocab,
+                             draft_vocab_size=cfg.draft.draft_vocab_size or vocab, aux_layers=aux,
+                             share_lm_head=cfg.draft.share_lm_head, base_model=base_model_identity(self.base),
+                             decoding=dataclasses.asdict(cfg.decoding))
+        torch.manual_seed(cfg.seed)
+        draft_vocab = None
+        if config.draft_vocab_size < vocab:
+            draft_vocab = frequent_tokens(self.train_examples, config.draft_vocab_size, vocab).sort().values
+        draft = EagleDraftModel(config, self.base, draft_vocab).float()
+        draft.refresh_shared()
+        self.to_draft = torch.full((vocab,), -1, dtype=torch.long)
+        self.to_draft[draft.draft_vocab] = torch.arange(config.draft_vocab_size)
+        self.aux_layers = aux
+        self.hidden_cache = self._hidden_cache() if cfg.cache_hidden_states else None
+        self.setup_optimizer(draft)
+        self.setup_run()
+        trainable, total = T.count_parameters(draft)
+        tokens = sum(len(e["input_ids"]) for e in self.train_examples)
+        self.accelerator.print(f"eagle: {len(self.train_examples)} train / {len(self.eval_examples)} eval examples "
+                               f"({tokens:,} tokens), {self.total_steps} steps, {self.accelerator.num_processes} "
+                               f"processes, {trainable:,} trainable parameters, layers {aux}, "
+                               f"{cfg.ttt_steps} TTT steps")
+
+    def _hidden_cache(self) -> dict[int, list[torch.Tensor]]:
+        directory = self.cfg.hidden_cache_dir or self.output_dir / "data"
+        return T.cached_hidden_states(self.base, self.train_examples, self.aux_layers + [-1], directory,
+                                      pad_id=self.pad_id, accelerator=self.accelerator,
+                                      progress=lambda it: tqdm(it, desc="caching hidden states"))
+
+    # ------------------------------------------------------------ batches and loss
+    def features(self, batch: dict, indices: list[int] | None = None) -> dict[int, torch.Tensor]:
+        """``{layer: [b, s, hidden]}`` for the fused layers and ``-1`` (the teacher's last hidden state)."""
+        layers = self.aux_layers + [-1]
+        if self.hidden_cache is not None and indices is not None:
+            b, s = batch["input_ids"].shape
+            out = {}
+            for layer in layers:
+                states = torch.zeros(b, s, self.base.config.hidden_size)
+                for row, i in enumerate(indices):
+                    stored = self.hidden_cache[layer][i]
+                    states[row, :len(stored)] = stored
+                out[layer] = states.to(batch["input_ids"].device)
+            return out
+        return {k: v.float() for k, v in T.hidden_states(self.base, batch["input_ids"], batch["attention_mask"],
+                                                        layers).items()}
+
+    def make_batch(self, indices: list[int]) -> dict:
+        device = self.accelerator.device
+        batch = {k: v.to(device) for k, v in super().make_batch(indices).items()}
+        batch["features"] = self.features(batch, indices)
+        batch["teacher_probs"], batch["teacher_argmax"] = self.batch_teacher(batch)
+        return batch
+
+    def batch_teacher(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's distribution at every position a step is trained against, computed once per batch:
+        ``(probabilities over the draft columns [b, s, draft_vocab], argmax token id [b, s])`` (zero elsewhere)."""
+        b, s = batch["input_ids"].shape
+        device = batch["input_ids"].device
+        wanted = torch.zeros(b, s, dtype=torch.bool, device=device)
+        wanted[:, 1:] = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+        wanted = torch.roll(wanted, -1, dims=1)  # position t predicts token t + 1
+        wanted[:, -1] = False
+        rows, cols = wanted.nonzero(as_tuple=True)
+        draft_vocab = self.accelerator.unwrap_model(self.model).config.draft_vocab_size
+        probs = torch.zeros(b, s, draft_vocab, device=device)
+        argmax = torch.zeros(b, s, dtype=torch.long, device=device)
+        p, a = self.teacher(batch["features"][-1][rows, cols])
+        probs[rows, cols], argmax[rows, cols] = p, a
+        return probs, argmax
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return torch.tensor([float(len(step_positions(batch, j)[0])) for j in range(self.cfg.ttt_steps)])
+
+    @torch.no_grad()
+    def teacher(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's distribution for last hidden states ``[n, hidden]``: ``(probabilities over the draft columns
+        [n, draft_vocab], argmax token id [n])``, in chunks of ``teacher_chunk_size`` rows."""
+        head = self.base.get_output_embeddings()
+        draft = self.accelerator.unwrap_model(self.model)
+        probs, argmax = [], []
+        for start in range(0, last.shape[0], self.cfg.teacher_chunk_size):
+            logits = head(last[start:start + self.cfg.teacher_chunk_size].to(head.weight.dtype)).float()
+            argmax.append(logits.argmax(-1))
+            probs.append(torch.softmax(logits, dim=-1)[:, draft.draft_vocab])
+        if not probs:
+            return (torch.zeros(0, draft.config.draft_vocab_size, device=last.device),
+                    torch.zeros(0, dtype=torch.long, device=last.device))
+        return torch.cat(probs), torch.cat(argmax)
+
+    def loss(self, batch: dict, denominators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        draft = self.accelerator.unwrap_model(self.model)
+        feats = batch["features"]
+        outputs = self.model([feats[i] for i in self.aux_layers], batch["input_ids"], batch["attention_mask"],
+                             cfg.ttt_steps)
+        terms, total = [], torch.zeros(())
+        for j, out in enumerate(outputs):
+            rows, cols = step_positions(batch, j)
+            log_q = torch.log_softmax(draft.logits(out[rows, cols]).float(), dim=-1)
+            probs, argmax = batch["teacher_probs"][rows, cols + j + 1], batch["teacher_argmax"][rows, cols + j + 1]
+            if cfg.loss == "soft":
+                term = -(probs * log_q).sum()
+            else:
+                columns = self.to_draft.to(argmax.device)[argmax]
+                keep = columns >= 0
+                term = -log_q[keep].gather(1, columns[keep, None]).sum()
+            term = term / denominators[j]
+            terms.append(term.detach())
+            total = total + cfg.step_decay ** j * term
+        return total, torch.stack(terms)
+
+    def step_record(self, terms: torch.Tensor) -> dict:
+        return {f"step{j}_loss": terms[j].item() for j in range(len(terms))}
+
+    # ------------------------------------------------------------ evaluate and save
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out, teacher-forced: per depth, how often the draft's top-1 is the base's own top-1, and the mean
+        accepted length of a chain (consecutive depths right from the first)."""
+        draft = self.accelerator.unwrap_model(self.model)
+        draft.eval()
+        steps = self.cfg.ttt_steps
+        hits, totals = torch.zeros(steps), torch.zeros(steps)
+        chain_sum, chain_n = 0.0, 0
+        for start in range(0, len(self.eval_examples), self.cfg.optim.batch_size):
+            batch = collate(self.eval_examples[start:start + self.cfg.optim.batch_size], self.pad_id)
+            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+            feats = self.features(batch)
+            outputs = draft([feats[i] for i in self.aux_layers], batch["input_ids"], batch["attention_mask"], steps)
+            b, s = batch["input_ids"].shape
+            right = torch.zeros(steps, b, s, dtype=torch.bool, device=self.accelerator.device)
+            counted = torch.zeros_like(right)
+            for j, out in enumerate(outputs):
+                rows, cols = step_positions(batch, j)
+                guess = draft.draft_vocab[draft.logits(out[rows, cols]).argmax(-1)]
+                _, argmax = self.teacher(feats[-1][rows, cols + j + 1])
+                ok = guess == argmax
+                hits[j] += ok.sum().cpu()
+                totals[j] += len(ok)
+                right[j, rows, cols] = ok
+                counted[j, rows, cols] = True
+            # Chains from positions where the first step is trained: accepted length = leading run of right steps.
+            start_rows, start_cols = step_positions(batch, 0)
+            run = torch.ones(len(start_rows), dtype=torch.bool, device=right.device)
+            length = torch.zeros(len(start_rows), device=right.device)
+            for j in range(steps):
+                run &= right[j, start_rows, start_cols] & counted[j, start_rows, start_cols]
+                length += run.float()
+            chain_sum += float(length.sum())
+            chain_n += len(start_rows)
+        accuracy = (hits / totals.clamp(min=1)).tolist()
+        return {"accuracy": accuracy, "chain_accept_length": chain_sum / max(1, chain_n),
+                "eval_targets": totals.long().tolist()}
+
+    def save_heads(self, metrics: dict):
+        cfg, acc = self.cfg, self.accelerator
+        if not acc.is_main_process:
+            return
+        draft = acc.unwrap_model(self.model)
+        draft.config.accuracy = metrics["accuracy"]
+        draft.config.training = {
+            "command": self.command(),
+            "recipe": T.config_to_dict(cfg),
+            "metrics": {"accuracy": metrics["accuracy"], "chain_accept_length": metrics["chain_accept_length"],
+                        "eval_targets": metrics["eval_targets"], "train_examples": len(self.train_examples),
+                        "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
+                        "steps": self.step, "total_steps": self.total_steps, "processes": acc.num_processes,
+                        "stopped_by_time_budget": bool(getattr(self, "stopped_early", False)),
+                        "final_loss": self.history[-1]["loss"] if self.history else None},
+        }
+        save_pretrained(draft, self.heads_dir)
+        acc.print(f"drafter saved to {self.heads_dir}; held-out top-1 per depth: "
+                  f"{[round(a, 3) for a in metrics['accuracy']]}, chain accept length "
+                  f"{metrics['chain_accept_length']:.2f}")
+
+    def tracked_eval(self, metrics: dict) -> dict:
+        return {f"eval/top1_depth{j + 1}": a for j, a in enumerate(metrics["accuracy"])}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return EagleRecipe.from_command_line(argv, __doc__.splitlines()[0]).run()
+
+
+if __name__ == "__main__":
+    main()

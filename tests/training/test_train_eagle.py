@@ -1,0 +1,155 @@
+"""train/eagle.py on a tiny random Llama: the loss is the base's own distribution, training lowers it, the drafter
+it saves loads and decodes losslessly, cached and online features agree, the time budget stops cleanly and
+--resume finishes the same run, and 2 processes match 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eagle.recipe as eagle_recipe
+from decoding.generate import generate
+from eagle.drafter import make_eagle_drafter
+from selfspec.testing import greedy_reference, random_prompt
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "train/eagle.py"
+TINY = ROOT / "configs/eagle/tiny.yaml"
+
+
+def conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
+    rows = []
+    for i in range(n):
+        picks = torch.randint(len(words), (6,), generator=g).tolist()
+        reply = " ".join(words[j] for j in picks) + " " + " ".join(words[j] for j in picks)
+        rows.append({"id": i, "conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": reply}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    return ["--config", str(TINY), f"output_dir={tmp_path / 'run'}", f"data.source={data}", "data.eval_samples=2",
+            *extra]
+
+
+def build(argv) -> eagle_recipe.EagleRecipe:
+    parsed = eagle_recipe.T.parse_recipe_args(argv, "test")
+    cfg = eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, parsed.config, parsed.overrides)
+    r = eagle_recipe.EagleRecipe(cfg, parsed.resume)
+    r.setup()
+    return r
+
+
+def test_step_losses_are_cross_entropies_to_the_base_distribution(tmp_path):
+    r = build(args(tmp_path, conversations(tmp_path / "d.jsonl", 8), "optim.max_steps=1"))
+    batch = r.make_batch([0, 1, 2])
+    denominators = r.counts(batch)
+    _, terms = r.loss(batch, denominators)
+    draft, base = r.model, r.base
+    feats = batch["features"]
+    outputs = draft([feats[i] for i in r.aux_layers], batch["input_ids"], batch["attention_mask"], r.cfg.ttt_steps)
+    for j, out in enumerate(outputs):
+        rows, cols = eagle_recipe.step_positions(batch, j)
+        with torch.no_grad():  # the base's own prediction at t + j + 1, from a fresh forward of the whole model
+            logits = base(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[rows, cols + j + 1]
+        p = torch.softmax(logits, -1)[:, draft.draft_vocab]
+        log_q = torch.log_softmax(draft.logits(out[rows, cols]), -1)
+        expected = -(p * log_q).sum() / denominators[j]
+        assert float(terms[j]) == pytest.approx(float(expected.detach()), rel=1e-4)
+        # the positions are those whose drafted token (t + j + 2) is an assistant token
+        assert bool(batch["loss_mask"][rows, cols + j + 2].all())
+
+
+def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 12)
+    r = build(args(tmp_path, data, "optim.max_steps=12", "optim.epochs=20", "optim.lr=0.01", "logging.log_every=1",
+                  "loss=hard"))  # the soft loss bottoms out at the teacher entropy
+    r.train()
+    metrics = r.evaluate()
+    r.save_heads(metrics)
+    first, last = r.history[0]["loss"], r.history[-1]["loss"]
+    assert last < 0.8 * first, (first, last)
+    assert len(metrics["accuracy"]) == r.cfg.ttt_steps and metrics["eval_targets"][0] > 0
+    drafter = make_eagle_drafter(r.base, str(tmp_path / "run" / "heads"))
+    assert drafter.policy.depth == r.cfg.decoding.depth and drafter.policy.nodes == r.cfg.decoding.nodes
+    saved = json.loads((tmp_path / "run" / "heads" / "config.json").read_text())
+    assert saved["training"]["metrics"]["steps"] == 12 and "train/eagle.py" in saved["training"]["command"]
+    for n in (3, 11):
+        ids = random_prompt(n, seed=n)
+        out = generate(r.base, drafter, ids, max_new_tokens=24)
+        assert torch.equal(out.sequences, greedy_reference(r.base, ids, 24))
+
+
+def test_cached_features_give_the_same_loss_as_running_the_base(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 8)
+    online = build(args(tmp_path, data, "optim.max_steps=1"))
+    cached = build(args(tmp_path, data, "optim.max_steps=1", "cache_hidden_states=true",
+                        f"hidden_cache_dir={tmp_path / 'cache'}"))
+    a, b = online.make_batch([0, 3]), cached.make_batch([0, 3])
+    for layer in a["features"]:
+        torch.testing.assert_close(a["features"][layer], b["features"][layer], rtol=1e-5, atol=1e-5)
+    cached.model.load_state_dict(online.model.state_dict())
+    la, _ = online.loss(a, online.counts(a))
+    lb, _ = cached.loss(b, cached.counts(b))
+    assert float(la) == pytest.approx(float(lb), rel=1e-5)
+
+
+def launch(argv: list[str], processes: int = 1):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if processes > 1:
+        env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
+               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
+               *argv]
+    else:
+        cmd = [sys.executable, str(SCRIPT), *argv]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
+@pytest.mark.slow
+def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 12)
+    common = ["optim.max_steps=4", "logging.log_every=1", "logging.save_every=null"]
+    launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
+    budget = args(tmp_path, data, *common, f"output_dir={tmp_path / 'cut'}")
+    first = launch([*budget, "optim.max_minutes=0.000001"])
+    assert "time budget" in first.stdout and "step 1 of 4" in first.stdout
+    saved = json.loads((tmp_path / "cut" / "heads" / "config.json").read_text())["training"]["metrics"]
+    assert saved["steps"] == 1 and saved["stopped_by_time_budget"] is True  # a usable drafter, marked as cut
+    launch([*budget, "--resume"])
+    straight = load_file(str(tmp_path / "straight/heads/model.safetensors"))
+    resumed = load_file(str(tmp_path / "cut/heads/model.safetensors"))
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+    assert losses(tmp_path / "cut")[-3:] == pytest.approx(losses(tmp_path / "straight")[-3:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    data = conversations(tmp_path / "d.jsonl", 18)
+    common = ["optim.max_steps=3", "data.eval_samples=2", "logging.log_every=1"]
+    launch(args(tmp_path, data, *common, "optim.batch_size=4", f"output_dir={tmp_path / 'one'}"))
+    two = launch(args(tmp_path, data, *common, "optim.batch_size=2", f"output_dir={tmp_path / 'two'}"), processes=2)
+    assert "2 processes" in two.stdout
+    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-4)
+    one = load_file(str(tmp_path / "one/heads/model.safetensors"))
+    two = load_file(str(tmp_path / "two/heads/model.safetensors"))
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5)
