@@ -298,14 +298,20 @@ def render_card(config: EagleConfig) -> str:
     return "\n".join(lines)
 
 
-def save_pretrained(draft: EagleDraftModel, directory: str | Path, calibration: dict | None = None) -> Path:
-    """``config.json``, ``model.safetensors`` (the draft's own weights only) and ``README.md``, written atomically."""
+def save_pretrained(draft: EagleDraftModel, directory: str | Path, calibration: dict | None = None,
+                    dtype: torch.dtype | None = None) -> Path:
+    """``config.json``, ``model.safetensors`` (the draft's own weights only) and ``README.md``, written atomically.
+
+    ``dtype``: store the floating-point weights in this dtype (``torch.float16`` halves a committed drafter; loading
+    casts back to the base model's dtype, and verification keeps decoding exact either way)."""
     from safetensors.torch import save_file
 
     from selfspec.runtime.io import CALIBRATION_NAME, README_NAME, WEIGHTS_NAME, atomic_directory
 
     directory = Path(directory)
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     with atomic_directory(directory) as tmp:
         tmp = Path(tmp)
         draft.config.save(tmp)

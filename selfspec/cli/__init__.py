@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Order is the order of ``selfspec --help``. A module that is missing is simply not offered.
-COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate", "cost", "train")
+COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate", "cost", "train", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,8 @@ losslessly on every supported architecture, its caches stay in step, and it save
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -165,3 +167,87 @@ def test_bad_input_is_refused_clearly(llama, tmp_path):
     save_pretrained(draft, tmp_path / "e")
     with pytest.raises(ValueError, match="trained for"):
         from_pretrained(tmp_path / "e", other)
+
+
+def test_half_precision_storage_loads_into_the_base_dtype(llama, tmp_path):
+    draft = eagle_draft(llama, seed=6)
+    save_pretrained(draft, tmp_path / "h", dtype=torch.float16)
+    loaded = from_pretrained(tmp_path / "h", llama)
+    assert next(loaded.parameters()).dtype == torch.float32
+    torch.testing.assert_close(loaded.fc.weight, draft.fc.weight.half().float())
+    drafter = EagleDrafter(llama, loaded)
+    ids = random_prompt(5, seed=2)
+    assert torch.equal(generate(llama, drafter, ids, max_new_tokens=12).sequences, greedy_reference(llama, ids, 12))
+
+
+# Weight names and shapes of speculators' Eagle3Speculator (src/speculators/models/eagle3/core.py and
+# model_definitions.py, read at commit c05b95b3): fc over the fused layers, the first decoder layer with q/k/v over
+# [embedding; hidden] and its own hidden_norm, the final norm, the draft LM head, d2t offsets and the t2d mask.
+def speculators_expected_shapes(config, hidden, heads, kv_heads, head_dim, inner, vocab, draft_vocab, aux):
+    return {
+        "fc.weight": (hidden, aux * hidden),
+        "layers.0.input_layernorm.weight": (hidden,), "layers.0.hidden_norm.weight": (hidden,),
+        "layers.0.post_attention_layernorm.weight": (hidden,),
+        "layers.0.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": (inner, hidden), "layers.0.mlp.up_proj.weight": (inner, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inner),
+        "norm.weight": (hidden,), "lm_head.weight": (draft_vocab, hidden), "d2t": (draft_vocab,), "t2d": (vocab,),
+    }
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_speculators_export_has_its_layout_and_imports_back_to_the_same_drafts(llama, tmp_path, share):
+    from safetensors.torch import load_file
+
+    from eagle.export import export_speculators, import_speculators
+
+    draft = eagle_draft(llama, seed=8, draft_vocab_size=40, share_lm_head=share)
+    draft.config.decoding = {"depth": 3}
+    export_speculators(draft, tmp_path / "spec")
+    state = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    c = llama.config
+    expected = speculators_expected_shapes(c, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                           c.hidden_size // c.num_attention_heads, c.intermediate_size, c.vocab_size,
+                                           40, len(draft.config.aux_layers))
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    assert torch.equal(state["d2t"] + torch.arange(40), draft.draft_vocab) and int(state["t2d"].sum()) == 40
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    assert config["draft_vocab_size"] == 40 and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == draft.config.aux_layers
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+    back = import_speculators(tmp_path / "spec", llama)
+    ids = random_prompt(9, seed=4)
+    aux = aux_states(llama, ids, draft.config.aux_layers)
+    with torch.no_grad():
+        for a, b in zip(draft.unroll(aux, ids, torch.ones_like(ids), 3), back.unroll(aux, ids, torch.ones_like(ids), 3)):
+            torch.testing.assert_close(draft.logits(a), back.logits(b))
+    trees = []
+    for d in (draft, back):
+        drafter = EagleDrafter(llama, d, EaglePolicy(depth=3, nodes=6, top_k=2, width=2))
+        seen = []
+        original = drafter.propose
+        drafter.propose = lambda state, o=original, s=seen: s.append(o(state)) or s[-1]
+        out = generate(llama, drafter, ids, max_new_tokens=16)
+        assert torch.equal(out.sequences, greedy_reference(llama, ids, 16))
+        trees.append([(t.tokens.tolist(), t.parents.tolist()) for t in seen])
+    assert trees[0] == trees[1]
+
+
+def test_export_command_writes_the_speculators_directory(tmp_path, capsys):
+    from selfspec.cli import main as cli
+    from selfspec.runtime.models import load_model
+
+    model, _ = load_model("tiny:llama")
+    save_pretrained(eagle_draft(model, seed=2, draft_vocab_size=50), tmp_path / "d")
+    assert cli(["export", "--format", "speculators", "--heads", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
+                "--model", "tiny:llama"]) == 0
+    assert (tmp_path / "o" / "model.safetensors").is_file() and "speculators eagle3" in capsys.readouterr().out
+    assert cli(["export", "--format", "speculators", "--heads", str(tmp_path / "missing"),
+                "--out", str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err and not (tmp_path / "x").exists()
