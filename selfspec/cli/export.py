@@ -4,6 +4,7 @@
 
 ``speculators``: an EAGLE-3 feature drafter as vLLM ``speculators``' ``eagle3`` directory (``eagle.export``), which
 ``vllm serve BASE --speculative-config '{"model": OUT, "method": "eagle3", "num_speculative_tokens": 4}'`` loads.
+``vllm-medusa``: parallel Medusa heads as the directory vLLM's Medusa drafter loads (``medusa.export``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from selfspec.runtime.io import CONFIG_NAME
 
-FORMATS = ("speculators",)
+FORMATS = ("speculators", "vllm-medusa")
 
 
 def register(subparsers) -> None:
@@ -33,17 +34,30 @@ def run(args: argparse.Namespace) -> int:
     if not config_path.is_file():
         raise FileNotFoundError(f"--heads {heads}: no {CONFIG_NAME}; pass a directory written by a selfspec recipe")
     config = json.loads(config_path.read_text())
-    if config.get("format") != "selfspec-eagle3":
-        raise ValueError(f"--heads {heads} is not an EAGLE-3 feature drafter (format {config.get('format')!r}): the "
-                         "speculators format takes drafters trained with `selfspec train eagle`")
-    from eagle.export import export_speculators
-    from eagle.model import from_pretrained
+    is_eagle = config.get("format") == "selfspec-eagle3"
+    if args.format == "speculators" and not is_eagle:
+        raise ValueError(f"--heads {heads} is not an EAGLE-3 feature drafter: the speculators format takes drafters "
+                         "trained with `selfspec train eagle` (Medusa heads export with --format vllm-medusa)")
+    if args.format == "vllm-medusa" and ("num_heads" not in config or is_eagle):
+        raise ValueError(f"--heads {heads} does not hold Medusa heads: --format vllm-medusa takes heads trained with "
+                         "`selfspec train medusa` (a feature drafter exports with --format speculators)")
     from selfspec.runtime.models import load_model
 
-    model_name = args.model or "smollm2-135m-instruct"
-    model, _ = load_model(model_name)
-    draft = from_pretrained(heads, model)
-    out = export_speculators(draft, args.out)
-    print(f"wrote {out} (speculators eagle3: {draft.config.draft_vocab_size} draft tokens, layers "
-          f"{draft.config.aux_layers})")
+    model, _ = load_model(args.model or "smollm2-135m-instruct")
+    if is_eagle:
+        from eagle.export import export_speculators
+        from eagle.model import from_pretrained
+
+        draft = from_pretrained(heads, model)
+        out = export_speculators(draft, args.out)
+        print(f"wrote {out} (speculators eagle3: {draft.config.draft_vocab_size} draft tokens, layers "
+              f"{draft.config.aux_layers})")
+        return 0
+    from medusa.export import check_exportable, export_vllm_medusa
+    from medusa.heads import MedusaHeads
+
+    medusa_heads = MedusaHeads.from_pretrained(heads, model)
+    check_exportable(medusa_heads)
+    out = export_vllm_medusa(medusa_heads, args.out)
+    print(f"wrote {out} (vLLM Medusa: {medusa_heads.config.num_heads} heads)")
     return 0
