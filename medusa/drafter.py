@@ -22,6 +22,7 @@ from torch import nn
 from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import ROOT, DraftTree, TreeTemplate
 from medusa.dynamic import DynamicTreeSelector, SequentialBeam
+from medusa.export import import_fasterdecoding, is_fasterdecoding_dir
 from medusa.heads import MedusaHeads
 from medusa.trees import DEFAULT_TREE_SIZE, default_tree
 from selfspec.runtime.attention import LayerCache
@@ -192,7 +193,9 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
          merge_adapter: bool = False) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 
-    Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
+    ``heads_dir`` may also hold heads published with FasterDecoding/Medusa (``medusa_lm_head.safetensors`` or
+    ``.pt`` beside a config with ``medusa_num_heads``; ``medusa.export.import_fasterdecoding``); their LM heads are
+    their own. Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
     ``selfspec.runtime.models.load_model(heads_dir)``, or pass ``merge_adapter=True`` to merge the adapter into
     ``base_model`` in place. Either way, decoding then reproduces the adapted model's own greedy output.
 
@@ -201,7 +204,12 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
         selfspec.runtime.identity.BaseModelMismatchError: the heads were trained for another base model.
         ValueError: an invalid heads directory or tree.
     """
-    heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
+    if is_fasterdecoding_dir(heads_dir):  # heads published with FasterDecoding/Medusa
+        heads = import_fasterdecoding(heads_dir, base_model)
+        if dtype is not None:
+            heads = heads.to(dtype)
+    else:
+        heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
     return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k)
 
 

@@ -124,3 +124,57 @@ def import_vllm_medusa(directory: str | Path, base_model: nn.Module) -> MedusaHe
         raise ValueError(f"{directory / WEIGHTS_NAME} does not fit this base model as Medusa heads: {e}") from None
     dtype = base_model.get_output_embeddings().weight.dtype
     return heads.to(dtype).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------- FasterDecoding's Medusa checkpoints
+#: weight files of FasterDecoding/Medusa heads (Medusa-1 and Medusa-2), newest first
+FASTERDECODING_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+def is_fasterdecoding_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` holds heads in FasterDecoding/Medusa's own layout (no selfspec config)."""
+    return any((Path(directory) / name).is_file() for name in FASTERDECODING_WEIGHTS)
+
+
+def import_fasterdecoding(directory: str | Path, base_model: nn.Module) -> MedusaHeads:
+    """Heads published in FasterDecoding/Medusa's layout as ``MedusaHeads`` on ``base_model``.
+
+    That layout: ``config.json`` with ``medusa_num_heads`` and ``medusa_num_layers``; ``medusa_lm_head.safetensors``
+    (or ``.pt``) with, per head ``h``, ``{h}.{l}.linear.weight|bias`` for its ResBlocks ``x + SiLU(W x + b)`` and
+    ``{h}.{num_layers}.weight``, its own LM head; Medusa-2 checkpoints prefix every key with ``medusa_head.``.
+
+    Raises:
+        FileNotFoundError: no config.json or weight file.
+        ValueError: a config without the Medusa fields, or weights that do not fit ``base_model``.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"Medusa checkpoint {directory}: no config.json")
+    config = json.loads(config_path.read_text())
+    if "medusa_num_heads" not in config:
+        raise ValueError(f"{config_path} has no medusa_num_heads: not a FasterDecoding Medusa checkpoint")
+    num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+    weights = next((directory / n for n in FASTERDECODING_WEIGHTS if (directory / n).is_file()), None)
+    if weights is None:
+        raise FileNotFoundError(f"Medusa checkpoint {directory}: none of {', '.join(FASTERDECODING_WEIGHTS)}")
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        state = load_file(str(weights))
+    else:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    heads = MedusaHeads.for_model(base_model, dtype=torch.float32, num_heads=num_heads, num_layers=num_layers,
+                                  share_lm_head=False)
+    try:
+        with torch.no_grad():
+            for h in range(num_heads):
+                for layer in range(num_layers):
+                    heads.resblock_weight[h, layer].copy_(state[f"{h}.{layer}.linear.weight"])
+                    heads.resblock_bias[h, layer].copy_(state[f"{h}.{layer}.linear.bias"])
+                heads.lm_head_weight[h].copy_(state[f"{h}.{num_layers}.weight"])
+    except (KeyError, RuntimeError) as e:
+        raise ValueError(f"{weights} does not fit this base model as {num_heads} Medusa heads x {num_layers} "
+                         f"layer(s): {type(e).__name__}: {e}") from None
+    dtype = base_model.get_output_embeddings().weight.dtype
+    return heads.to(dtype).eval().requires_grad_(False)

@@ -92,3 +92,45 @@ def test_export_command_takes_medusa_heads_and_refuses_the_wrong_format(tmp_path
     assert cli(["export", "--format", "speculators", "--heads", str(tmp_path / "h"), "--out", str(tmp_path / "x"),
                 "--model", "tiny:llama"]) == 2
     assert "not an EAGLE-3 feature drafter" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("suffix, prefix", [("safetensors", ""), ("pt", "medusa_head.")])
+def test_fasterdecoding_checkpoints_load_with_medusa_load_and_decode_losslessly(llama, tmp_path, suffix, prefix):
+    """A directory in FasterDecoding/Medusa's exact layout (config medusa_num_heads / medusa_num_layers; per head
+    ``{h}.{l}.linear.weight|bias`` ResBlocks and ``{h}.{L}.weight`` LM head; Medusa-2's ``medusa_head.`` prefix)."""
+    import medusa
+
+    c = llama.config
+    g = torch.Generator().manual_seed(5)
+    heads, layers = 3, 2
+    state = {}
+    for h in range(heads):
+        for layer in range(layers):
+            state[f"{prefix}{h}.{layer}.linear.weight"] = torch.randn(c.hidden_size, c.hidden_size, generator=g) * 0.05
+            state[f"{prefix}{h}.{layer}.linear.bias"] = torch.randn(c.hidden_size, generator=g) * 0.05
+        state[f"{prefix}{h}.{layers}.weight"] = llama.lm_head.weight.detach() + 0.01 * torch.randn(
+            c.vocab_size, c.hidden_size, generator=g)
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": layers,
+                                                      "base_model_name_or_path": "tiny-llama"}))
+    if suffix == "safetensors":
+        from safetensors.torch import save_file
+        save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(state, tmp_path / "medusa_lm_head.pt")
+    drafter = medusa.load(llama, tmp_path, tree=[[0], [1], [0, 0], [0, 0, 0]])
+    loaded = drafter.heads
+    hidden = torch.randn(1, 4, c.hidden_size, generator=g)
+    with torch.no_grad():  # head h = ResBlocks then its own LM head, as FasterDecoding computes it
+        for h in range(heads):
+            x = hidden
+            for layer in range(layers):
+                x = x + torch.nn.functional.silu(x @ state[f"{prefix}{h}.{layer}.linear.weight"].T
+                                                 + state[f"{prefix}{h}.{layer}.linear.bias"])
+            expected = x @ state[f"{prefix}{h}.{layers}.weight"].T
+            got, _ = loaded.head_draft_logits(loaded.features(hidden)[h], h)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    ids = random_prompt(6, seed=3)
+    assert torch.equal(generate(llama, drafter, ids, max_new_tokens=16).sequences, greedy_reference(llama, ids, 16))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "medusa_num_layers": layers}))
+    with pytest.raises(ValueError, match="does not fit this base model as 5 Medusa heads"):
+        medusa.load(llama, tmp_path)
