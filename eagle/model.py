@@ -328,30 +328,25 @@ def from_pretrained(directory: str | Path, base_model: nn.Module, dtype: torch.d
     Raises:
         FileNotFoundError: the directory or a file of it is missing.
         selfspec.runtime.identity.BaseModelMismatchError: it was trained for another base model.
-        ValueError: an incomplete directory (no completion marker, or a file of another size than recorded) or
-            weights that do not match the config; the message names the file.
+        selfspec.runtime.io.DamagedDirectoryError: an incomplete or damaged directory (no completion marker, a file
+            of another size or content than recorded, non-finite weights); the message names the file.
+        ValueError: weights that do not match the config.
     """
-    from safetensors.torch import load_file
-
     from selfspec.runtime.identity import check_base_model
-    from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, is_complete
+    from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, load_verified_weights
 
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"eagle drafter directory {directory} does not exist")
     config = EagleConfig.load(directory / CONFIG_NAME)
     weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(f"eagle drafter weights {weights} do not exist")
-    if not is_complete(directory, check_sizes=True):
-        raise ValueError(f"eagle drafter directory {directory} is incomplete or damaged (its completion marker is "
-                         "missing or a file's size differs from the one recorded): save it again")
+    state = load_verified_weights(directory, "eagle drafter")
     if config.base_model:
         check_base_model(config.base_model, base_model, what="eagle drafter")
     head = base_model.get_output_embeddings().weight
     draft = EagleDraftModel(config, base_model).to(device=head.device, dtype=dtype or head.dtype)
     try:
-        draft.load_state_dict(load_file(str(weights), device=str(head.device)), strict=True)
+        draft.load_state_dict({k: v.to(head.device) for k, v in state.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not match {directory / CONFIG_NAME}: {e}") from None
     draft.refresh_shared()

@@ -25,7 +25,7 @@ from early_exit.adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, Re
 from early_exit.layers import check_supported
 from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
 from selfspec.runtime.identity import base_model_identity
-from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory
+from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, load_verified_weights
 from selfspec.runtime.layers import num_decoder_layers
 
 KIND = "early-exit"
@@ -244,8 +244,6 @@ class ExitClassifier(nn.Module):
                 adapted one, and the plain base was given without ``merge_adapter``).
             ValueError: a bad config, or its exit layer does not fit ``model``.
         """
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
@@ -254,7 +252,7 @@ class ExitClassifier(nn.Module):
         model = resolve_backbone(model, directory, config.base_model, what=f"early-exit classifier {directory}",
                                  merge_adapter=merge_adapter)
         classifier = cls(config, model)
-        tensors = load_file(str(directory / WEIGHTS_NAME))
+        tensors = load_verified_weights(directory, "early-exit classifier")
         classifier.load_state_dict(tensors)
         return classifier.eval()
 

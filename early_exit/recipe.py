@@ -132,8 +132,9 @@ class EarlyExitRecipe(T.Recipe):
     loss_digits = 4
     final_checkpoint = True  # a later run with more steps can --resume from the final state
 
-    def __init__(self, cfg: EarlyExitRecipeConfig, resume: bool = False, argv: list[str] | None = None):
-        super().__init__(cfg, resume, argv)
+    def __init__(self, cfg: EarlyExitRecipeConfig, resume: bool = False, argv: list[str] | None = None,
+                 allow_changed: tuple[str, ...] = ()):
+        super().__init__(cfg, resume, argv, allow_changed)
         self.layerskip = cfg.method == "layerskip"
 
     # ------------------------------------------------------------ setup

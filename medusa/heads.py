@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from medusa.card import render_readme
@@ -38,7 +38,14 @@ from medusa.context import PrefixAttention
 from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
 from selfspec.runtime.attention import rotary_of
 from selfspec.runtime.identity import base_model_identity
-from selfspec.runtime.io import CALIBRATION_NAME, CONFIG_NAME, README_NAME, WEIGHTS_NAME, atomic_directory
+from selfspec.runtime.io import (
+    CALIBRATION_NAME,
+    CONFIG_NAME,
+    README_NAME,
+    WEIGHTS_NAME,
+    atomic_directory,
+    load_verified_weights,
+)
 from selfspec.runtime.kernels import module_backend, set_module_backend
 
 
@@ -336,6 +343,7 @@ class MedusaHeads(nn.Module):
         weights = directory / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"Medusa heads weights {weights} do not exist")
+        state = load_verified_weights(directory, "Medusa heads")
         resolve_backbone(base_model, directory, config.base_model, what=f"Medusa heads {directory}",
                          merge_adapter=merge_adapter)
         lm_head = _output_embeddings(base_model)
@@ -343,7 +351,7 @@ class MedusaHeads(nn.Module):
         heads = cls(config, lm_head, *_shared_inputs(base_model, config))
         heads = heads.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype)
         try:
-            heads.load_state_dict(load_file(str(weights)), strict=True)
+            heads.load_state_dict(state, strict=True)
         except RuntimeError as e:
             raise ValueError(f"{weights} does not match {directory / CONFIG_NAME}: {e}") from None
         return heads.eval()

@@ -8,6 +8,9 @@ final path); ``is_complete`` is how readers tell a finished directory from a hal
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -180,13 +183,84 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _write_marker(directory: Path) -> None:
-    files = {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MARKER
-    }
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MARKER]
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in paths}
+    sha256 = {str(p.relative_to(directory)): _sha256(p) for p in paths}
     with open(directory / MARKER, "w") as f:
-        json.dump({"files": files}, f, indent=1)
+        json.dump({"files": files, "sha256": sha256}, f, indent=1)
+
+
+class DamagedDirectoryError(ValueError):
+    """A saved directory that is incomplete or was changed after it was written."""
+
+
+def verify_directory(directory: str | os.PathLike, what: str = "directory") -> None:
+    """Check a directory written by ``atomic_directory`` before trusting it: the completion marker is there, and
+    every file it lists has its recorded size and (for directories written since checksums were recorded) its
+    SHA-256. A directory a killed writer moved aside is put back first (``remove_stale_temporaries``).
+
+    Raises:
+        FileNotFoundError: nothing at ``directory``.
+        DamagedDirectoryError: no marker, or a file missing, truncated or changed; the message names the file.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        remove_stale_temporaries(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{what} {directory} does not exist")
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+        sizes = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DamagedDirectoryError(f"{what} {directory} is incomplete: its completion marker {MARKER} is missing "
+                                    "or unreadable (a write that did not finish); save it again") from None
+    for name, size in sizes.items():
+        path = directory / name
+        if not path.is_file():
+            raise DamagedDirectoryError(f"{what} {directory}: {name} is missing; save the directory again")
+        if path.stat().st_size != size:
+            raise DamagedDirectoryError(f"{what} {directory}: {name} has {path.stat().st_size} bytes, {size} were "
+                                        "written (truncated or replaced); save the directory again")
+    for name, digest in (marker.get("sha256") or {}).items():
+        if _sha256(directory / name) != digest:
+            raise DamagedDirectoryError(f"{what} {directory}: {name} does not have the content that was written "
+                                        "(checksum mismatch); save the directory again")
+
+
+def load_verified_weights(directory: str | os.PathLike, what: str, name: str = WEIGHTS_NAME) -> dict:
+    """The tensors of ``directory/name`` after ``verify_directory``, refusing non-finite weights.
+
+    Raises:
+        FileNotFoundError, DamagedDirectoryError: see ``verify_directory``.
+        DamagedDirectoryError: the file is not a readable safetensors file, or a tensor holds NaN or infinity.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    verify_directory(directory, what)
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {directory}: no {name}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a broken header
+        raise DamagedDirectoryError(f"{what} {directory}: {name} is not a readable safetensors file ({e}); save "
+                                    "the directory again") from None
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise DamagedDirectoryError(f"{what} {directory}: tensor {key!r} of {name} holds NaN or infinite "
+                                        "values (a diverged training run?); retrain or restore it")
+    return tensors
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -213,9 +287,35 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where it is unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM):
+        return False  # the kernel or the filesystem cannot exchange: two renames, recovered by readers
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def _move_into_place(tmp: Path, final_path: Path) -> None:
+    """Put ``tmp`` at ``final_path``. Replacing an existing directory swaps the two atomically where the system
+    can, so the old or the new one is at the path at every instant; elsewhere the old one is moved aside first,
+    and a reader that finds nothing puts it back (``remove_stale_temporaries``, called by ``verify_directory``)."""
+    exists = final_path.exists() or final_path.is_symlink()
+    if exists and final_path.is_dir() and tmp.is_dir() and _exchange(tmp, final_path):
+        _fsync_dir(final_path.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous version
+        return
     old = None
-    if final_path.exists() or final_path.is_symlink():
+    if exists:
         old = final_path.parent / f".{final_path.name}{_OLD_INFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         os.replace(final_path, old)
     try:

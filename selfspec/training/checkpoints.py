@@ -59,6 +59,11 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, trainer_stat
     return final
 
 
+def saved_trainer_state(path: Path) -> dict:
+    """The trainer state saved with a checkpoint (``step``, the recipe's ``config``...), without loading it."""
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
 def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore model, optimizer, scheduler and RNG states; returns the saved trainer state (``step``, ...)."""
     accelerator.load_state(str(path))

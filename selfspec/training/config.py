@@ -97,13 +97,48 @@ def flat_config(config) -> dict:
     return dict(walk(config_to_dict(config), ""))
 
 
+#: keys a resumed run may change without --allow-changed: budgets, lengths, logging and where things are written
+RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "optim.max_minutes", "optim.max_steps",
+                     "optim.epochs", "logging.report_to", "logging.project", "logging.log_every",
+                     "logging.save_every", "logging.keep_last")
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume_config(saved: dict, current: dict, allowed: tuple[str, ...] | list[str] = ()) -> None:
+    """Refuse to resume a checkpoint under a recipe that changed, other than in ``RESUMABLE_CHANGES`` or ``allowed``.
+
+    Raises:
+        ValueError: naming each changed key with its saved and current value, and the flag that accepts them.
+    """
+    old, new = _flat(saved), _flat(current)
+    changed = [k for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in allowed]
+    if changed:
+        listed = "; ".join(f"{k}: {old.get(k)!r} in the checkpoint, {new.get(k)!r} now" for k in changed)
+        raise ValueError(f"--resume: the recipe changed since the checkpoint ({listed}). Resume with the saved "
+                         f"values, start a new output_dir, or accept the change with --allow-changed "
+                         f"{','.join(changed)}")
+
+
 def parse_recipe_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    """``--config PATH [--resume] [key=value ...]``: the command line shared by every recipe."""
+    """``--config PATH [--resume [--allow-changed KEYS]] [key=value ...]``: the command line shared by every recipe."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="recipe YAML (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--allow-changed", default="", metavar="KEYS",
+                        help="with --resume: comma-separated config keys (section.key) that may differ from the "
+                             "checkpoint's recipe")
     parser.add_argument("overrides", nargs="*", help="config overrides: key=value or section.key=value")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
 
 
 @dataclasses.dataclass

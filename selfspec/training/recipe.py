@@ -45,8 +45,8 @@ class Recipe:
     loss_digits = 3  # decimals of the loss in the progress bar
     final_checkpoint = False  # also checkpoint the last step (so a later run with more steps can --resume from it)
 
-    def __init__(self, cfg, resume: bool = False, argv: list[str] | None = None):
-        self.cfg, self.resume = cfg, resume
+    def __init__(self, cfg, resume: bool = False, argv: list[str] | None = None, allow_changed: tuple[str, ...] = ()):
+        self.cfg, self.resume, self.allow_changed = cfg, resume, tuple(allow_changed)
         self.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the heads
         self.output_dir = Path(cfg.output_dir)
         self.heads_dir = Path(cfg.heads_dir or self.output_dir / "heads")
@@ -60,7 +60,8 @@ class Recipe:
         """
         args = C.parse_recipe_args(argv, description)
         cfg = C.load_config(cls.config_class, args.config, args.overrides)
-        return cls(cfg, resume=args.resume or cfg.resume, argv=argv)
+        allowed = tuple(k.strip() for k in args.allow_changed.split(",") if k.strip())
+        return cls(cfg, resume=args.resume or cfg.resume, argv=argv, allow_changed=allowed)
 
     def run(self) -> dict:
         """Set up, train, evaluate (appended to ``metrics.jsonl``), save the heads and clean up; the metrics."""
@@ -117,9 +118,17 @@ class Recipe:
         the trackers."""
         cfg, acc = self.cfg, self.accelerator
         self.step = 0
-        if self.resume and (ckpt := checkpoints.latest_checkpoint(self.output_dir)) is not None:
-            self.step = checkpoints.load_checkpoint(acc, ckpt)["step"]
-            acc.print(f"resumed from {ckpt} (step {self.step})")
+        if self.resume:
+            ckpt = checkpoints.latest_checkpoint(self.output_dir)
+            if ckpt is None:
+                acc.print(f"--resume: no complete checkpoint under {self.output_dir / 'checkpoints'}; nothing to "
+                          "resume, starting from step 0")
+            else:
+                saved = checkpoints.saved_trainer_state(ckpt).get("config")
+                if saved is not None:  # before any state is loaded: a changed shape would fail there, unexplained
+                    C.check_resume_config(saved, C.config_to_dict(cfg), self.allow_changed)
+                self.step = checkpoints.load_checkpoint(acc, ckpt)["step"]
+                acc.print(f"resumed from {ckpt} (step {self.step})")
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(C.config_to_dict(cfg), indent=2))

@@ -49,3 +49,61 @@ def test_bad_input_is_one_clear_line(argv, message, capsys, monkeypatch):
     assert code == 2
     assert message in err, err
     assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- saved state is checked, never trusted blindly
+
+def _tiny_heads(tmp_path):
+    """A Medusa heads directory and an EAGLE-3 drafter directory for tiny:llama (what --model tiny:llama loads)."""
+    from eagle.model import save_pretrained
+    from medusa.heads import MedusaHeads
+    from selfspec.runtime.models import load_model
+    from selfspec.testing import eagle_draft
+
+    model, _ = load_model("tiny:llama")
+    MedusaHeads.for_model(model, num_heads=2).save_pretrained(tmp_path / "medusa")
+    save_pretrained(eagle_draft(model), tmp_path / "eagle")
+    return tmp_path / "medusa", tmp_path / "eagle"
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:64])
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+SAVED_STATE = [
+    ("truncated medusa weights", "medusa", lambda d: _truncate(d / "model.safetensors"),
+     "model.safetensors has 64 bytes"),
+    ("changed eagle weights", "eagle", lambda d: _flip_last_byte(d / "model.safetensors"),
+     "model.safetensors does not have the content that was written"),
+    ("no completion marker", "medusa", lambda d: (d / ".selfspec-complete").unlink(), "completion marker"),
+    ("deleted weights", "eagle", lambda d: (d / "model.safetensors").unlink(), "model.safetensors"),
+]
+
+
+@pytest.mark.parametrize("name, kind, damage, message", SAVED_STATE, ids=[p[0] for p in SAVED_STATE])
+def test_damaged_heads_are_refused_naming_the_file(tmp_path, capsys, name, kind, damage, message):
+    medusa_dir, eagle_dir = _tiny_heads(tmp_path)
+    directory = medusa_dir if kind == "medusa" else eagle_dir
+    damage(directory)
+    code = main(["generate", "--model", "tiny:llama", "--prompt", "hi", "--max-new-tokens", "4", "--draft", kind,
+                 "--heads", str(directory)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_export_refuses_the_wrong_kind_of_directory(tmp_path, capsys):
+    medusa_dir, eagle_dir = _tiny_heads(tmp_path)
+    for fmt, heads, message in (("speculators", medusa_dir, "is not an EAGLE-3 feature drafter"),
+                                ("vllm-medusa", eagle_dir, "does not hold Medusa heads"),
+                                ("speculators", tmp_path / "nowhere", "no config.json")):
+        code = main(["export", "--format", fmt, "--heads", str(heads), "--out", str(tmp_path / "out"),
+                     "--model", "tiny:llama"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

@@ -156,3 +156,80 @@ def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+# A writer replacing an existing directory, SIGKILLed right after its Nth filesystem step of the move (the Nth
+# os.replace, or the atomic exchange): what a reader finds afterwards must be the old or the new directory, whole.
+KILL_AFTER_STEP = """
+import os, signal, sys
+import selfspec.runtime.io as io
+step, mode, final = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+calls = []
+def counted(fn):
+    def wrapped(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    return wrapped
+io.os.replace = counted(os.replace)
+io._exchange = counted(io._exchange) if mode == "exchange" else (lambda a, b: False)
+with io.atomic_directory(final) as tmp:
+    (tmp / "v").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("mode", ["exchange", "two-renames"])
+@pytest.mark.parametrize("step", [1, 2])
+def test_replacing_a_directory_keeps_the_old_or_the_new_one_when_killed_at_any_step(tmp_path, mode, step):
+    from selfspec.runtime.io import _exchange, verify_directory
+
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "v").write_text("old")
+    probe_a, probe_b = tmp_path / "pa", tmp_path / "pb"
+    probe_a.mkdir(), probe_b.mkdir()
+    if mode == "exchange" and not _exchange(probe_a, probe_b):
+        pytest.skip("this filesystem cannot exchange two paths atomically (the two-renames mode covers it)")
+    result = subprocess.run([sys.executable, "-c", KILL_AFTER_STEP, str(step), mode, str(final)], capture_output=True)
+    killed = result.returncode == -signal.SIGKILL
+    assert killed or (mode == "exchange" and step == 2 and result.returncode == 0), result.stderr[-2000:]
+    verify_directory(final, "heads")  # a reader puts a moved-aside previous version back if it must
+    assert (final / "v").read_text() in ("old", "new")
+    if mode == "two-renames" and step == 1:
+        assert (final / "v").read_text() == "old"  # killed with the old copy moved aside: restored
+    with atomic_directory(final) as tmp:  # the next writer cleans up whatever the dead one left
+        (tmp / "v").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "pa", "pb"] and (final / "v").read_text() == "newer"
+
+
+def test_verify_directory_names_the_damaged_file(tmp_path):
+    from selfspec.runtime.io import DamagedDirectoryError, load_verified_weights, verify_directory
+
+    final = tmp_path / "d"
+    with atomic_directory(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"1234")
+        (tmp / "b.bin").write_bytes(b"5678")
+    verify_directory(final)
+    (final / "b.bin").write_bytes(b"5679")  # same size, other content
+    with pytest.raises(DamagedDirectoryError, match="b.bin does not have the content that was written"):
+        verify_directory(final)
+    (final / "b.bin").write_bytes(b"56")
+    with pytest.raises(DamagedDirectoryError, match="b.bin has 2 bytes, 4 were written"):
+        verify_directory(final)
+    (final / "b.bin").unlink()
+    with pytest.raises(DamagedDirectoryError, match="b.bin is missing"):
+        verify_directory(final)
+    (final / MARKER).unlink()
+    with pytest.raises(DamagedDirectoryError, match="completion marker"):
+        verify_directory(final)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        verify_directory(tmp_path / "nothing")
+
+    import torch
+    from safetensors.torch import save_file
+    with atomic_directory(tmp_path / "w") as tmp:
+        save_file({"ok": torch.ones(3), "bad": torch.tensor([1.0, float("nan")])}, str(tmp / "model.safetensors"))
+    with pytest.raises(DamagedDirectoryError, match="tensor 'bad' of model.safetensors holds NaN"):
+        load_verified_weights(tmp_path / "w", "heads")

@@ -153,3 +153,18 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     two = load_file(str(tmp_path / "two/heads/model.safetensors"))
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_refuses_a_changed_recipe_naming_the_keys_and_says_when_there_is_nothing(tmp_path, capsys):
+    data = conversations(tmp_path / "d.jsonl", 10)
+    base = args(tmp_path, data, "optim.max_steps=2", "logging.save_every=1")
+    eagle_recipe.main(base)
+    with pytest.raises(ValueError, match=r"optim.lr: 0.003 in the checkpoint, 0.01 now.*--allow-changed optim.lr"):
+        eagle_recipe.main([*base, "--resume", "optim.lr=0.01"])
+    with pytest.raises(ValueError, match="draft.draft_vocab_size: 64 in the checkpoint, 32 now"):
+        eagle_recipe.main([*base, "--resume", "draft.draft_vocab_size=32"])
+    capsys.readouterr()
+    eagle_recipe.main([*base, "--resume", "optim.lr=0.01", "--allow-changed", "optim.lr", "optim.max_steps=3"])
+    assert "resumed from" in capsys.readouterr().out
+    eagle_recipe.main([*base, "--resume", f"output_dir={tmp_path / 'empty'}"])
+    assert "nothing to resume, starting from step 0" in capsys.readouterr().out
