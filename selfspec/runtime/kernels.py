@@ -145,13 +145,15 @@ def linear_backend_of(model: nn.Module) -> str:
     return getattr(model, _STATE, "stock")
 
 
-def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
+def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[int, ...] | None = None,
+                       remeasure: bool = False) -> str:
     """Run ``model``'s linear layers on ``backend`` (in place); returns the backend now in effect.
 
     Args:
         backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, ``skinny`` (``selfspec.runtime.skinny``), or
-            ``auto``: for a float32 CPU model, the one of those available here whose timed forward of 1 and of 8
-            tokens is fastest; ``stock`` otherwise. Each layer keeps the packed weights of every backend it has run
+            ``auto``: for a float32 CPU model, the one of those available here whose forwards of ``sizes`` tokens
+            (default ``AUTO_SIZES``: a plain step and the trees drafters verify) cost least in total, measured
+            once per CPU, model and sizes and cached (``remeasure`` measures again); ``stock`` otherwise. Each layer keeps the packed weights of every backend it has run
             on (a copy of the weights per backend), so switching back is free.
 
     Raises:
@@ -166,7 +168,7 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
         raise ValueError(f"the skinny kernel is not available here: {skinny.unavailable_reason()}; it needs a C++ "
                          "compiler and the ninja package; use --linear-backend onednn or stock")
     if backend == "auto":
-        backend = _choose(model)
+        backend = _choose(model, tuple(sizes) if sizes else AUTO_SIZES, remeasure)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             set_module_backend(module, backend)
@@ -197,36 +199,105 @@ def linear_backend(model: nn.Module, backend: str) -> Iterator[str]:
         set_linear_backend(model, previous)
 
 
-def _choose(model: nn.Module) -> str:
+#: token counts ``auto`` times by default: a plain step and the trees drafters usually verify on a CPU
+AUTO_SIZES = (1, 4, 8)
+_CHOICES_FILE = "backend-choices.json"
+
+
+def cpu_signature() -> dict:
+    """What decides which kernels win: the processor's model name and vector extensions, the core count torch
+    uses, and the torch build."""
+    import platform
+    from pathlib import Path
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    vector = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
+                                              "amx_bf16"))
+    return {"cpu": name, "flags": vector, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _choice_key(model: nn.Module, sizes: tuple[int, ...]) -> str:
+    import hashlib
+    import json
+
+    from selfspec.runtime.identity import base_model_identity
+
+    identity = base_model_identity(model)
+    text = json.dumps({**cpu_signature(), "model": identity.get("fingerprint"), "sizes": list(sizes)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _choose(model: nn.Module, sizes: tuple[int, ...] = AUTO_SIZES, remeasure: bool = False) -> str:
+    """The backend whose forwards of ``sizes`` tokens (after a 256-token prefix) cost least in total, measured
+    once per machine, model and size set and kept in ``$SELFSPEC_HOME/kernels/backend-choices.json`` with the
+    measured curve (``remeasure`` or ``SELFSPEC_REMEASURE=1`` measures again)."""
+    import json
+    import os
+
+    from selfspec.runtime.io import atomic_write_text, cache_home, file_lock
+
     params = next(model.parameters(), None)
     if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
         return "stock"
     candidates = ["stock"] + (["onednn"] if onednn_available() else []) + (["skinny"] if skinny_available() else [])
     if len(candidates) == 1:
         return "stock"
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(0))
-    previous = linear_backend_of(model)
-    timings = {}
-    for candidate in candidates * 2:  # twice, interleaved: one slow moment of a busy machine decides nothing
-        set_linear_backend(model, candidate)
-        timings[candidate] = min(timings.get(candidate, float("inf")), _time_forward(model, ids))
-    set_linear_backend(model, previous)
-    return min(candidates, key=timings.__getitem__)
+    sizes = tuple(sorted(set(int(n) for n in sizes) | {1}))
+    path = cache_home() / "kernels" / _CHOICES_FILE
+    key = _choice_key(model, sizes)
+    remeasure = remeasure or os.environ.get("SELFSPEC_REMEASURE") == "1"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if not remeasure and isinstance(entry, dict) and entry.get("backend") in candidates:
+        return entry["backend"]
+    curves = measure_backends(model, candidates, sizes)
+    total = {b: sum(curve.values()) for b, curve in curves.items()}
+    best = min(candidates, key=total.__getitem__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.with_suffix(".lock")):
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known[key] = {"backend": best, **cpu_signature(), "sizes": list(sizes),
+                      "ms": {b: {str(n): round(1000 * t, 3) for n, t in curve.items()} for b, curve in curves.items()}}
+        atomic_write_text(path, json.dumps(known, indent=1))
+    return best
 
 
 @torch.inference_mode()
-def _time_forward(model: nn.Module, ids: torch.Tensor) -> float:
-    """Seconds for a forward of 1 and of 8 new tokens (a plain step and a small tree) after a 12-token prefix
-    (best of 3)."""
-    from transformers import DynamicCache
+def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ...], prefix: int = 256,
+                     rounds: int = 3) -> dict[str, dict[int, float]]:
+    """``{backend: {tokens: seconds}}``: the best of ``rounds`` interleaved forwards of each size over a
+    ``prefix``-token cache, rolled back after every forward (one slow moment of a busy machine decides nothing)."""
+    from selfspec.runtime.cache import crop, new_cache
 
-    best = float("inf")
-    for _ in range(3):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :12], cache=cache, use_cache=True)
-        start = time.perf_counter()
-        model(input_ids=ids[:, 12:13], cache=cache, use_cache=True)
-        model(input_ids=ids[:, 12:20], cache=cache, use_cache=True)
-        best = min(best, time.perf_counter() - start)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
+    previous = linear_backend_of(model)
+    cache = new_cache(model, prefix + max(sizes))
+    model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
+    best: dict[str, dict[int, float]] = {b: {n: float("inf") for n in sizes} for b in backends}
+    try:
+        for _ in range(rounds):
+            for backend in backends:
+                set_linear_backend(model, backend)
+                for n in sizes:
+                    start = time.perf_counter()
+                    model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
+                    best[backend][n] = min(best[backend][n], time.perf_counter() - start)
+                    crop(cache, prefix)
+    finally:
+        set_linear_backend(model, previous)
     return best

@@ -98,3 +98,32 @@ def test_dense_pointwise_kernel_equals_the_converting_one(rows, monkeypatch):
     converting = K.onednn_linear(x, weight.to_mkldnn(), bias)
     assert torch.equal(dense, converting)  # the same oneDNN primitive, bit for bit
     torch.testing.assert_close(dense, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_measures_the_step_sizes_once_per_machine_and_keeps_the_curve(tmp_path, monkeypatch):
+    import json
+
+    import selfspec.runtime.kernels as K
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("SELFSPEC_REMEASURE", raising=False)
+    calls = []
+    real = K.measure_backends
+
+    def counted(model, backends, sizes, **kwargs):
+        calls.append(sizes)
+        return real(model, backends, sizes, prefix=16, rounds=1)
+
+    monkeypatch.setattr(K, "measure_backends", counted)
+    model = tiny_model("llama", dtype=torch.float32)
+    first = set_linear_backend(model, "auto", sizes=(4, 8))
+    assert calls == [(1, 4, 8)]  # the plain step is always timed with the tree sizes
+    assert set_linear_backend(model, "auto", sizes=(4, 8)) == first and len(calls) == 1  # cached
+    set_linear_backend(model, "auto", sizes=(4, 8), remeasure=True)
+    assert len(calls) == 2
+    set_linear_backend(model, "auto", sizes=(16,))  # another tree size is another question
+    assert calls[-1] == (1, 16)
+    [entry, *_] = json.loads((tmp_path / "kernels" / "backend-choices.json").read_text()).values()
+    assert entry["cpu"] == K.cpu_signature()["cpu"] and set(entry["ms"]) >= {"stock"}
+    assert set(entry["ms"]["stock"]) == {"1", "4", "8"} and entry["backend"] in entry["ms"]
+    assert min(entry["ms"], key=lambda b: sum(entry["ms"][b].values())) == entry["backend"]
