@@ -175,6 +175,10 @@ def test_weights_that_do_not_match_the_config(tmp_path, tiny_llama64):
     MedusaHeads.for_model(tiny_llama64, num_heads=2).save_pretrained(tmp_path / "h")
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     (tmp_path / "h" / "config.json").write_text(json.dumps({**config, "num_heads": 3}))
+    with pytest.raises(ValueError, match="config.json has .* bytes"):  # edited after saving: the marker says so
+        MedusaHeads.from_pretrained(tmp_path / "h", tiny_llama64)
+    from selfspec.runtime.io import _write_marker
+    _write_marker(tmp_path / "h")  # a consistent directory whose weights do not fit its config
     with pytest.raises(ValueError, match="does not match"):
         MedusaHeads.from_pretrained(tmp_path / "h", tiny_llama64)
 

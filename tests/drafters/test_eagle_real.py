@@ -1,0 +1,47 @@
+"""The committed EAGLE-3 drafter on the embedded SmolLM2: it loads (checksums, base identity), decodes greedily
+token-for-token like the model's own ``generate`` alone and merged with lookup, and really drafts (tau > 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import decoding
+from decoding.registry import make_drafter
+from selfspec.runtime.prompts import encode_prompt
+from selfspec.testing import hf_greedy_continuations
+
+pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
+
+HEADS = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct-eagle3"
+PROMPTS = ("Write a haiku about the sea.", "What is 12 times 7?")
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def references(smollm2) -> dict[str, list[list[int]]]:
+    return hf_greedy_continuations(*smollm2, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("spec, options", [("eagle", {}), ("eagle", {"nodes": 8, "top_k": 4, "width": 4}),
+                                           ("eagle+lookup", {})])
+def test_committed_drafter_decodes_like_generate(smollm2, references, spec, options):
+    model, tokenizer = smollm2
+    drafter = make_drafter(spec, model, str(HEADS), **options)
+    taus = []
+    for text in PROMPTS:
+        ids = encode_prompt(tokenizer, text)
+        out = decoding.generate(model, drafter, ids, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == references[text], text
+        taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.1, taus
+
+
+def test_the_card_names_the_data_and_the_command():
+    config = json.loads((HEADS / "config.json").read_text())
+    assert "distill-smollm2-v1" in config["training"]["data"] and "gpu_train_eagle.sh" in config["training"]["command"]
+    assert len(config["accuracy"]) == 7 and config["accuracy"][0] > 0.5
+    card = (HEADS / "README.md").read_text()
+    assert "Held-out acceptance per depth" in card and "selfspec generate --draft eagle" in card
