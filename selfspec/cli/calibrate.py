@@ -34,6 +34,7 @@ from selfspec.bench.methods import GenSettings
 from selfspec.bench.replay import make_references
 from selfspec.bench.runner import Prompt, eos_of, load_prompts
 from selfspec.cli.bench import add_common_arguments, apply_backend
+from selfspec.runtime.identity import check_base_model
 from selfspec.runtime.models import is_test_model, load_model
 from selfspec.runtime.prompts import encode_prompt
 from selfspec.training.data import BUILTIN_PROMPTS
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
+    if config.base_model:  # before any continuation is generated: heads for another model are refused at once
+        check_base_model(config.base_model, model, what=f"Medusa heads {args.heads}")
     backend = apply_backend(model, args)
     if args.mode == "replay":
         return _run_replay(args, config, model, tokenizer, backend)

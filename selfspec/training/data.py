@@ -43,6 +43,22 @@ BUILTIN_PROMPTS = [
 
 # ---------------------------------------------------------------- loading
 
+def _check_json_lines(path: Path) -> None:
+    """Raises: ValueError: naming the file and line of the first line that is not a JSON object."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset {path}, line {number}: not valid JSON ({e.msg} at column {e.colno}); fix or "
+                                 "remove that line") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"dataset {path}, line {number}: expected a JSON object, got "
+                                 f"{type(record).__name__}; each line must be one record")
+
+
 def load_records(source: str, split: str = "train"):
     """A ``datasets.Dataset`` from a local file / directory / saved dataset, or a hub id.
 
@@ -60,6 +76,9 @@ def load_records(source: str, split: str = "train"):
         # A self-distillation directory (scripts/self_distill.py) keeps its prompts beside the finished shards.
         shards = [p for p in files if p.name.startswith("shard-")]
         files = shards or files
+        for file in files:
+            if file.suffix == ".jsonl":
+                _check_json_lines(file)
         if not files:
             raise FileNotFoundError(f"dataset directory {path} holds no json/jsonl/parquet/arrow file")
         records = datasets.load_dataset(_FILE_BUILDERS[files[0].suffix], data_files=[str(f) for f in files],
@@ -69,6 +88,8 @@ def load_records(source: str, split: str = "train"):
             raise ValueError(f"dataset file {path}: unsupported extension; use one of {sorted(_FILE_BUILDERS)}")
         if path.stat().st_size == 0:
             raise ValueError(f"dataset {source} is empty")
+        if path.suffix == ".jsonl":
+            _check_json_lines(path)
         records = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
     elif source.startswith((".", "/", "~")) or path.suffix in _FILE_BUILDERS:
         raise FileNotFoundError(f"dataset file {source} does not exist")

@@ -3,6 +3,8 @@ any model is loaded (the model named here does not exist: reaching the loader wo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from selfspec.cli import main
@@ -107,3 +109,29 @@ def test_export_refuses_the_wrong_kind_of_directory(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_malformed_dataset_line_is_named_before_training(tmp_path, capsys):
+    good = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join([good, good, '{"conversations": [', good]) + "\n")
+    code = main(["train", "eagle", "--config", "configs/eagle/tiny.yaml", f"output_dir={tmp_path / 'run'}",
+                 f"data.source={data}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"dataset {data}, line 3: not valid JSON" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_calibrate_refuses_heads_of_another_model_before_any_work(tmp_path, capsys, monkeypatch):
+    from medusa.heads import MedusaHeads
+    from selfspec.runtime.models import load_model
+
+    model, _ = load_model("tiny:llama")
+    heads = MedusaHeads.for_model(model, num_heads=2)
+    heads.config.head_accuracy = [[0.5, 0.2], [0.3, 0.1]]
+    heads.save_pretrained(tmp_path / "h")
+    monkeypatch.setattr("selfspec.cli.calibrate.calibrate",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("calibrated before checking the base")))
+    code = main(["calibrate", "--heads", str(tmp_path / "h"), "--model", "tiny:qwen2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "were trained for" in err and "Traceback" not in err, err
