@@ -4,6 +4,7 @@ any model is loaded (the model named here does not exist: reaching the loader wo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,7 +116,8 @@ def test_a_malformed_dataset_line_is_named_before_training(tmp_path, capsys):
     good = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join([good, good, '{"conversations": [', good]) + "\n")
-    code = main(["train", "eagle", "--config", "configs/eagle/tiny.yaml", f"output_dir={tmp_path / 'run'}",
+    config = Path(__file__).resolve().parents[2] / "configs" / "eagle" / "tiny.yaml"
+    code = main(["train", "eagle", "--config", str(config), f"output_dir={tmp_path / 'run'}",
                  f"data.source={data}"])
     err = capsys.readouterr().err
     assert code == 2 and f"dataset {data}, line 3: not valid JSON" in err and "Traceback" not in err, err
