@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -259,4 +258,4 @@ def make_eagle_drafter(model, heads_dir: str | Path | None = None, **options) ->
     return load(model, heads_dir, **options)
 
 
-__all__: Sequence[str] = ("EagleDrafter", "EaglePolicy", "load", "make_eagle_drafter")
+__all__ = ["EagleDrafter", "EaglePolicy", "load", "make_eagle_drafter"]

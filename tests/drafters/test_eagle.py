@@ -92,9 +92,6 @@ def test_trees_respect_the_policy_and_leave_the_cache_as_found(llama):
     drafter = EagleDrafter(llama, eagle_draft(llama, seed=2), EaglePolicy(depth=4, nodes=9, top_k=3, width=2))
     sizes, depths = [], []
 
-    class Spy(EagleDrafter):
-        pass
-
     original = drafter.propose
 
     def propose(state):
