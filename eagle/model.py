@@ -342,7 +342,7 @@ def from_pretrained(directory: str | Path, base_model: nn.Module, dtype: torch.d
     weights = directory / WEIGHTS_NAME
     state = load_verified_weights(directory, "eagle drafter")
     if config.base_model:
-        check_base_model(config.base_model, base_model, what="eagle drafter")
+        check_base_model(config.base_model, base_model, what="eagle drafter", on_weights="warn")
     head = base_model.get_output_embeddings().weight
     draft = EagleDraftModel(config, base_model).to(device=head.device, dtype=dtype or head.dtype)
     try:

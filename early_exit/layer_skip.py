@@ -69,7 +69,7 @@ class LayerSkipConfig:
         if data.get("kind") != KIND:
             raise ValueError(f"{directory} holds a {data.get('kind')!r} config, not a layer-skip set")
         config = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-        check_base_model(config.base_model, model, what=f"layer-skip set {directory}")
+        check_base_model(config.base_model, model, what=f"layer-skip set {directory}", on_weights="warn")
         check_skip_layers(config.skip_layers, num_decoder_layers(model))
         return config
 

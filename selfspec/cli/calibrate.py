@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
     if config.base_model:  # before any continuation is generated: heads for another model are refused at once
-        check_base_model(config.base_model, model, what=f"Medusa heads {args.heads}")
+        check_base_model(config.base_model, model, what=f"Medusa heads {args.heads}", on_weights="warn")
     backend = apply_backend(model, args)
     if args.mode == "replay":
         return _run_replay(args, config, model, tokenizer, backend)

@@ -115,7 +115,7 @@ def resolve_backbone(model: nn.Module, directory: str | Path, base_identity: dic
     """
     spec = adapter_spec(directory)
     if spec is None:
-        check_base_model(base_identity, model, what=what)
+        check_base_model(base_identity, model, what=what, on_weights="warn")
         return model
     try:
         check_base_model(spec.get("adapted_model") or {}, model, what=what)

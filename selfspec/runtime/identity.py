@@ -10,6 +10,7 @@ compared with a tolerance (relative to the largest of them) when the dtypes diff
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 
@@ -25,6 +26,11 @@ _SHAPE_FIELDS = ("architecture", "model_type", "hidden_size", "vocab_size", "num
 
 class BaseModelMismatchError(ValueError):
     """Saved heads (or another draft module) belong to a different base model than the one given."""
+
+
+class BaseModelWeightsWarning(UserWarning):
+    """Saved heads meet a model of their base's architecture, shapes and vocabulary whose weights differ (the
+    original fp32 checkpoint of a quantized base, a fine-tune): they load, and may be accepted less often."""
 
 
 def base_model_identity(model: torch.nn.Module) -> dict:
@@ -57,13 +63,18 @@ def base_model_identity(model: torch.nn.Module) -> dict:
     }
 
 
-def check_base_model(expected: dict, model: torch.nn.Module, what: str = "heads") -> None:
+def check_base_model(expected: dict, model: torch.nn.Module, what: str = "heads", *,
+                     on_weights: str = "refuse") -> None:
     """Refuse ``model`` if it is not the base model described by ``expected`` (a saved identity).
 
     Shape fields (architecture, hidden size, vocabulary, depth) must be equal; the weights must have the same
     fingerprint, or, when the saved identity was taken in another dtype, the same sampled values within a
     tolerance. Fields missing from ``expected`` are not checked. The name alone never decides: the same weights
     loaded from an alias, a local directory or a hub id are the same base model.
+
+    ``on_weights="warn"``: a model that differs only in its weights gets a ``BaseModelWeightsWarning`` instead
+    (draft modules load on it; decoding stays exact). Adapter checks keep the default: there the weights are the
+    difference between the plain and the adapted model.
 
     Raises:
         BaseModelMismatchError: naming each field that differs, and what to do about it.
@@ -75,6 +86,14 @@ def check_base_model(expected: dict, model: torch.nn.Module, what: str = "heads"
         if expected.get(field) is not None and expected[field] != actual[field]
     ]
     if not differences and not _same_weights(expected, actual):
+        if on_weights == "warn":
+            warnings.warn(BaseModelWeightsWarning(
+                f"these {what} were trained on {_describe(expected)}; this model has the same architecture, shapes "
+                f"and vocabulary but other weights (fingerprint {expected.get('fingerprint')} vs "
+                f"{actual['fingerprint']}: another checkpoint or a fine-tune). They load: outputs stay exactly this "
+                f"model's (verification decides every token), but fewer drafts may be accepted; retrain the {what} "
+                "on this model for full speed"), stacklevel=2)
+            return
         differences.append(f"weights differ (fingerprint {expected.get('fingerprint')} vs {actual['fingerprint']})")
     if differences:
         raise BaseModelMismatchError(

@@ -64,8 +64,12 @@ def test_config_round_trip_and_identity(tmp_path):
     LayerSkipConfig([3, 1], base_model_identity(model), policy={"max_depth": 3}).save(tmp_path / "skip")
     drafter = make_drafter("layer-skip", model, str(tmp_path / "skip"))
     assert drafter.skip_layers == (1, 3) and drafter.policy.max_depth == 3
-    with pytest.raises(ValueError, match="trained for"):
+    from selfspec.runtime.identity import BaseModelWeightsWarning
+    with pytest.warns(BaseModelWeightsWarning, match="other weights"):  # same shapes, other weights: loads
         make_drafter("layer-skip", tiny_model("mistral", dtype=torch.float64, seed=1), str(tmp_path / "skip"))
+    with pytest.raises(ValueError, match="trained for"):
+        make_drafter("layer-skip", tiny_model("mistral", dtype=torch.float64, hidden_size=64, intermediate_size=64),
+                     str(tmp_path / "skip"))
     with pytest.raises(FileNotFoundError):
         make_drafter("layer-skip", model, str(tmp_path / "nothing"))
 
