@@ -29,6 +29,7 @@ LEVELS = {
     "selfspec.bench": 3,
     "selfspec.cli": 3,
     "selfspec.testing": 3,
+    "selfspec.hf": 3,
 }
 DRAFTERS = ("medusa", "early_exit", "lookup", "eagle")
 PROJECT = ("selfspec", "decoding", "medusa", "early_exit", "lookup", "eagle")

@@ -1,0 +1,53 @@
+"""selfspec inside transformers' own ``model.generate`` (``custom_generate=selfspec.hf.CUSTOM_GENERATE``): greedy
+output equal to plain ``generate`` with any drafter, sampling honoured, unsupported requests refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from eagle.model import save_pretrained
+from selfspec.hf import CUSTOM_GENERATE
+from selfspec.runtime.tiny import tiny_model
+from selfspec.testing import eagle_draft, random_prompt
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_model("llama")
+    heads = tmp_path_factory.mktemp("eagle") / "d"
+    save_pretrained(eagle_draft(model, draft_vocab_size=60), heads)
+    return model, str(heads)
+
+
+@pytest.mark.parametrize("draft", ["eagle", "eagle+lookup", "lookup", "none"])
+def test_greedy_custom_generate_equals_plain_generate(setup, draft):
+    model, heads = setup
+    for n in (3, 12):
+        ids = random_prompt(n, seed=n)
+        plain = model.generate(ids, do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
+        ours = model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft=draft,
+                              heads=heads if draft.startswith("eagle") else None, max_new_tokens=24)
+        assert torch.equal(ours, plain), (draft, n)
+
+
+def test_sampling_settings_reach_the_decoder(setup):
+    model, heads = setup
+    ids = random_prompt(5, seed=2)
+    a = model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft="eagle", heads=heads,
+                       do_sample=True, temperature=0.9, top_k=20, max_new_tokens=30)
+    greedy = model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft="eagle",
+                            heads=heads, max_new_tokens=30)
+    assert a.shape == greedy.shape and not torch.equal(a, greedy)  # sampled, not the greedy path
+
+
+def test_unsupported_requests_are_refused(setup):
+    model, heads = setup
+    ids = random_prompt(5, seed=2)
+    with pytest.raises(ValueError, match="decodes one prompt"):
+        model.generate(torch.cat([ids, ids]), custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
+                       max_new_tokens=4)
+    with pytest.raises(ValueError, match="logits processors"):
+        model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, max_new_tokens=4,
+                       logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)]))
