@@ -149,6 +149,13 @@ def _check_inputs(model, drafter, input_ids: torch.Tensor, max_new_tokens: int) 
         )
 
 
+def _stops(criteria, sequence: torch.Tensor, scores: torch.Tensor) -> bool:
+    """Whether transformers stopping ``criteria`` (None: none) end generation at ``sequence``."""
+    if criteria is None:
+        return False
+    return bool(torch.as_tensor(criteria(sequence, scores)).any())
+
+
 def _choose(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     if sampling.greedy:
         return int(logits.argmax(-1))
@@ -171,6 +178,7 @@ def generate(
     seed: int | None = None,
     acceptance: str = "auto",
     generation_config=None,
+    stopping_criteria=None,
 ) -> GenerateOutput:
     """Generate with tree speculative decoding; greedy output equals ``model.generate(do_sample=False)``.
 
@@ -186,6 +194,9 @@ def generate(
             ``"speculative"`` or ``"typical"`` (Medusa's typical acceptance: faster, NOT lossless).
         generation_config: a transformers ``GenerationConfig``; when given, its ``max_new_tokens``, ``do_sample``,
             ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id`` replace the keyword arguments.
+        stopping_criteria: transformers ``StoppingCriteria`` (or a ``StoppingCriteriaList``, e.g. with
+            ``StopStringCriteria``): checked after every new token, in order, with the scores that chose it, as
+            ``generate`` does; the token that triggers one is kept and decoding ends there.
 
     Raises:
         ValueError: batch size > 1, max_new_tokens < 1, prompt + max_new_tokens beyond the context, a drafter whose
@@ -227,7 +238,7 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
         streamer.put(torch.tensor([root]))
-    done = root in eos or max_new_tokens == 1
+    done = root in eos or max_new_tokens == 1 or _stops(stopping_criteria, state.sequence, out.logits[0, -1:])
     if not done:
         drafter.begin(state)
     stats.time_prefill = time.perf_counter() - start
@@ -270,6 +281,14 @@ def generate(
         if len(step_tokens) >= remaining:
             step_tokens = step_tokens[:remaining]
             done = True
+        if stopping_criteria is not None:  # token i was chosen by logits row rows[i]: the root's, then each node's
+            rows = [0] + [i + 1 for i in verdict.accepted]
+            for i in range(len(step_tokens)):
+                candidate = torch.cat([state.sequence, state.sequence.new_tensor([step_tokens[: i + 1]])], dim=1)
+                if _stops(stopping_criteria, candidate, logits[rows[i]:rows[i] + 1]):
+                    step_tokens = step_tokens[: i + 1]
+                    done = True
+                    break
         t3 = time.perf_counter()
         kv.keep_accepted(state.cache, prefix_length, verdict.accepted)
         t4 = time.perf_counter()

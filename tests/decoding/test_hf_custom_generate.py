@@ -3,9 +3,11 @@ output equal to plain ``generate`` with any drafter, sampling honoured, unsuppor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from eagle.model import save_pretrained
 from selfspec.hf import CUSTOM_GENERATE
@@ -51,3 +53,34 @@ def test_unsupported_requests_are_refused(setup):
     with pytest.raises(ValueError, match="logits processors"):
         model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, max_new_tokens=4,
                        logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)]))
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stop once ``token`` has been generated (a custom criterion that only looks at the ids)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1] == self.token)
+
+
+def test_stopping_criteria_and_stop_strings_stop_where_generate_stops(setup):
+    from selfspec.runtime.models import load_model
+    from selfspec.testing import eagle_draft as draft_for
+
+    model, tokenizer = load_model("tiny:llama")
+    heads = Path(setup[1]).parent / "bytes"
+    save_pretrained(draft_for(model, draft_vocab_size=100), heads)
+    ids = torch.tensor([tokenizer("<|im_start|>user\\nhello<|im_end|>\\n")["input_ids"]])
+    full = model.generate(ids, do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0)
+    new = full[0, ids.shape[1]:].tolist()
+    token = new[9]
+    # a stop string the continuation really contains: the first printable character it decodes to after a few tokens
+    text = next(c for t in new[3:] for c in [tokenizer.decode([t])] if len(c) == 1 and c.isalnum())
+    for extra in ({"stopping_criteria": StoppingCriteriaList([StopAfterToken(token)])},
+                  {"stop_strings": [text], "tokenizer": tokenizer}):
+        plain = model.generate(ids, do_sample=False, max_new_tokens=40, pad_token_id=0, **extra)
+        ours = model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft="eagle+lookup",
+                              heads=str(heads), max_new_tokens=40, **extra)
+        assert torch.equal(ours, plain) and plain.shape[1] < full.shape[1], extra

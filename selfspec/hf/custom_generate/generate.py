@@ -12,11 +12,11 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     """Decode ``inputs`` (``[1, prompt]`` ids) with ``decoding.generate`` and the drafter ``draft``.
 
     Honours ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (keywords or
-    ``generation_config``) and ``streamer``.
+    ``generation_config``), ``streamer``, ``stopping_criteria`` and ``stop_strings`` (with ``tokenizer``).
 
     Raises:
-        ValueError: a batch of several prompts, left padding, or logits processors / stopping criteria (not supported
-            by this entry point yet: use plain ``model.generate`` for those).
+        ValueError: a batch of several prompts, left padding, or logits processors (not supported by this entry point
+            yet: use plain ``model.generate`` for those).
     """
     from decoding import generate as speculative_generate
     from decoding.registry import make_drafter
@@ -27,9 +27,18 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     mask = kwargs.pop("attention_mask", None)
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("selfspec's custom_generate takes an unpadded prompt (attention_mask all ones)")
-    if logits_processor or stopping_criteria:
-        raise ValueError("selfspec's custom_generate does not apply logits processors or stopping criteria yet; "
-                         "use model.generate without custom_generate for those")
+    if logits_processor:
+        raise ValueError("selfspec's custom_generate does not apply logits processors yet (they change the target "
+                         "distribution per tree node); use model.generate without custom_generate for those")
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    stop_strings = kwargs.pop("stop_strings", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: pass tokenizer=... as with model.generate")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     config = generation_config if generation_config is not None else model.generation_config
 
     def setting(name, default=None):
@@ -47,5 +56,5 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     out = speculative_generate(model, drafter, input_ids, max_new_tokens=int(max_new_tokens),
                                temperature=temperature, top_k=top_k or None,
                                top_p=top_p if top_p is not None and top_p < 1.0 else None,
-                               eos_token_id=eos, streamer=streamer)
+                               eos_token_id=eos, streamer=streamer, stopping_criteria=criteria or None)
     return out.sequences
