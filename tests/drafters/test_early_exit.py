@@ -82,11 +82,14 @@ def test_save_load_round_trip(tmp_path):
 def test_classifier_for_another_base_model_is_refused(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
     new_classifier(model, 2).save_pretrained(tmp_path / "ee", model)
-    other = tiny_model("llama", dtype=torch.float64, seed=1)
+    other = tiny_model("llama", dtype=torch.float64, hidden_size=64, intermediate_size=64)
     with pytest.raises(ValueError, match="trained for"):
         ExitClassifier.from_pretrained(tmp_path / "ee", other)
     with pytest.raises(ValueError, match="trained for"):
         make_drafter("early-exit", other, str(tmp_path / "ee"))
+    from selfspec.runtime.identity import BaseModelWeightsWarning
+    with pytest.warns(BaseModelWeightsWarning, match="other weights"):  # same shapes, other weights: loads
+        ExitClassifier.from_pretrained(tmp_path / "ee", tiny_model("llama", dtype=torch.float64, seed=1))
     with pytest.raises(FileNotFoundError):
         ExitClassifier.from_pretrained(tmp_path / "missing", model)
 
