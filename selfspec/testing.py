@@ -248,3 +248,64 @@ def eagle_draft(model, seed: int = 0, draft_vocab_size: int | None = None, share
                         * scale * p.shape[-1] ** -0.5 * 3)
     draft.refresh_shared()
     return draft.eval()
+
+
+# ---------------------------------------------------------------- recipe runs (shared by the recipes' tests)
+
+def repetitive_conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
+    rows = []
+    for i in range(n):
+        picks = torch.randint(len(words), (6,), generator=g).tolist()
+        reply = " ".join(words[j] for j in picks) + " " + " ".join(words[j] for j in picks)
+        rows.append({"id": i, "conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": reply}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def launch_recipe(script: Path, argv: list[str], *, processes: int = 1, wrapper: str | None = None,
+                  check: bool = True):
+    """Run a ``train/*.py`` launcher in a subprocess: ``processes`` > 1 through ``accelerate launch`` (DDP on the
+    CPU over gloo), or ``python -c wrapper`` (a script that runs the launcher itself, e.g. to inject a kill)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if processes > 1:
+        # `accelerate launch --cpu --num_processes N` starts ONE process in accelerate 1.x (its simple launcher);
+        # --multi_gpu spawns N, and ACCELERATE_USE_CPU keeps them on the CPU (DDP over gloo).
+        env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
+               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(script), *argv]
+    elif wrapper:
+        cmd = [sys.executable, "-c", wrapper, *argv]
+    else:
+        cmd = [sys.executable, str(script), *argv]
+    result = subprocess.run(cmd, cwd=Path(script).resolve().parents[1], env=env, capture_output=True, text=True,
+                            timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    """The training losses a recipe logged to ``run_dir/metrics.jsonl``, in order."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
+def assert_decodes_like_references(model, tokenizer, drafter, references: dict[str, list[list[int]]],
+                                   max_new_tokens: int) -> list[float]:
+    """Decode each prompt of ``references`` (``hf_greedy_continuations``) with ``drafter`` and assert the output
+    equals HF greedy ``generate``'s; returns the tau of each prompt."""
+    taus = []
+    for text, expected in references.items():
+        ids = encode_prompt(tokenizer, text)
+        out = decoding.generate(model, drafter, ids, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == expected, text
+        taus.append(out.stats.tau)
+    return taus

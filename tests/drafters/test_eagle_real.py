@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import decoding
 from decoding.registry import make_drafter
-from selfspec.runtime.prompts import encode_prompt
-from selfspec.testing import hf_greedy_continuations
+from selfspec.testing import assert_decodes_like_references, hf_greedy_continuations
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
@@ -28,14 +26,8 @@ def references(smollm2) -> dict[str, list[list[int]]]:
 @pytest.mark.parametrize("spec, options", [("eagle", {}), ("eagle", {"nodes": 8, "top_k": 4, "width": 4}),
                                            ("eagle+lookup", {})])
 def test_committed_drafter_decodes_like_generate(smollm2, references, spec, options):
-    model, tokenizer = smollm2
-    drafter = make_drafter(spec, model, str(HEADS), **options)
-    taus = []
-    for text in PROMPTS:
-        ids = encode_prompt(tokenizer, text)
-        out = decoding.generate(model, drafter, ids, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
-        assert out.sequences.tolist() == references[text], text
-        taus.append(out.stats.tau)
+    drafter = make_drafter(spec, smollm2[0], str(HEADS), **options)
+    taus = assert_decodes_like_references(*smollm2, drafter, references, NEW_TOKENS)
     assert sum(taus) / len(taus) > 1.1, taus
 
 

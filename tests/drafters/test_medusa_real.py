@@ -12,7 +12,7 @@ import decoding
 from medusa import MedusaDrafter, MedusaHeads, load
 from selfspec.cli.demo import default_heads_dir
 from selfspec.runtime.prompts import encode_prompt
-from selfspec.testing import hf_greedy_continuations
+from selfspec.testing import assert_decodes_like_references, hf_greedy_continuations
 
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
@@ -27,14 +27,7 @@ def references(smollm2) -> dict[str, list[list[int]]]:
 
 
 def _check(smollm2, references, drafter) -> list[float]:
-    model, tokenizer = smollm2
-    taus = []
-    for text in PROMPTS:
-        ids = encode_prompt(tokenizer, text)
-        out = decoding.generate(model, drafter, ids, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
-        assert out.sequences.tolist() == references[text], text
-        taus.append(out.stats.tau)
-    return taus
+    return assert_decodes_like_references(*smollm2, drafter, references, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("tree", [8, 32])

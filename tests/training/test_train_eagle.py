@@ -5,9 +5,6 @@ it saves loads and decodes losslessly, cached and online features agree, the tim
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,24 +14,11 @@ from safetensors.torch import load_file
 import eagle.recipe as eagle_recipe
 from decoding.generate import generate
 from eagle.drafter import make_eagle_drafter
-from selfspec.testing import greedy_reference, random_prompt
+from selfspec.testing import greedy_reference, launch_recipe, logged_losses, random_prompt, repetitive_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "train/eagle.py"
 TINY = ROOT / "configs/eagle/tiny.yaml"
-
-
-def conversations(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
-    g = torch.Generator().manual_seed(seed)
-    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
-    rows = []
-    for i in range(n):
-        picks = torch.randint(len(words), (6,), generator=g).tolist()
-        reply = " ".join(words[j] for j in picks) + " " + " ".join(words[j] for j in picks)
-        rows.append({"id": i, "conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": reply}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
@@ -51,7 +35,7 @@ def build(argv) -> eagle_recipe.EagleRecipe:
 
 
 def test_step_losses_are_cross_entropies_to_the_base_distribution(tmp_path):
-    r = build(args(tmp_path, conversations(tmp_path / "d.jsonl", 8), "optim.max_steps=1"))
+    r = build(args(tmp_path, repetitive_conversations(tmp_path / "d.jsonl", 8), "optim.max_steps=1"))
     batch = r.make_batch([0, 1, 2])
     denominators = r.counts(batch)
     _, terms = r.loss(batch, denominators)
@@ -71,7 +55,7 @@ def test_step_losses_are_cross_entropies_to_the_base_distribution(tmp_path):
 
 
 def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 12)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
     r = build(args(tmp_path, data, "optim.max_steps=12", "optim.epochs=20", "optim.lr=0.01", "logging.log_every=1",
                   "loss=hard"))  # the soft loss bottoms out at the teacher entropy
     r.train()
@@ -91,7 +75,7 @@ def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
 
 
 def test_cached_features_give_the_same_loss_as_running_the_base(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 8)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 8)
     online = build(args(tmp_path, data, "optim.max_steps=1"))
     cached = build(args(tmp_path, data, "optim.max_steps=1", "cache_hidden_states=true",
                         f"hidden_cache_dir={tmp_path / 'cache'}"))
@@ -104,28 +88,14 @@ def test_cached_features_give_the_same_loss_as_running_the_base(tmp_path):
     assert float(la) == pytest.approx(float(lb), rel=1e-5)
 
 
-def launch(argv: list[str], processes: int = 1):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if processes > 1:
-        env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
-               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
-               *argv]
-    else:
-        cmd = [sys.executable, str(SCRIPT), *argv]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def launch(argv: list[str], **kwargs):
+    return launch_recipe(SCRIPT, argv, **kwargs)
 
-
-def losses(run_dir: Path) -> list[float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
 
 
 @pytest.mark.slow
 def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 12)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
     common = ["optim.max_steps=4", "logging.log_every=1", "logging.save_every=null"]
     launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
     budget = args(tmp_path, data, *common, f"output_dir={tmp_path / 'cut'}")
@@ -138,17 +108,17 @@ def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
     resumed = load_file(str(tmp_path / "cut/heads/model.safetensors"))
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
-    assert losses(tmp_path / "cut")[-3:] == pytest.approx(losses(tmp_path / "straight")[-3:], rel=1e-5)
+    assert logged_losses(tmp_path / "cut")[-3:] == pytest.approx(logged_losses(tmp_path / "straight")[-3:], rel=1e-5)
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 18)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 18)
     common = ["optim.max_steps=3", "data.eval_samples=2", "logging.log_every=1"]
     launch(args(tmp_path, data, *common, "optim.batch_size=4", f"output_dir={tmp_path / 'one'}"))
     two = launch(args(tmp_path, data, *common, "optim.batch_size=2", f"output_dir={tmp_path / 'two'}"), processes=2)
     assert "2 processes" in two.stdout
-    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-4)
+    assert logged_losses(tmp_path / "one") == pytest.approx(logged_losses(tmp_path / "two"), rel=1e-4)
     one = load_file(str(tmp_path / "one/heads/model.safetensors"))
     two = load_file(str(tmp_path / "two/heads/model.safetensors"))
     for name in one:
@@ -156,7 +126,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 
 def test_resume_refuses_a_changed_recipe_naming_the_keys_and_says_when_there_is_nothing(tmp_path, capsys):
-    data = conversations(tmp_path / "d.jsonl", 10)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 10)
     base = args(tmp_path, data, "optim.max_steps=2", "logging.save_every=1")
     eagle_recipe.main(base)
     with pytest.raises(ValueError, match=r"optim.lr: 0.003 in the checkpoint, 0.01 now.*--allow-changed optim.lr"):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import medusa.recipe as medusa_recipe
 from selfspec.runtime.models import load_model
+from selfspec.testing import launch_recipe, logged_losses, repetitive_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "train/medusa.py"
@@ -24,19 +25,6 @@ TINY = ROOT / "configs/medusa/tiny.yaml"
 @pytest.fixture(scope="module")
 def recipe():
     return medusa_recipe
-
-
-def conversations(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
-    g = torch.Generator().manual_seed(seed)
-    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
-    rows = []
-    for i in range(n):
-        picks = torch.randint(len(words), (6,), generator=g).tolist()
-        reply = " ".join(words[j] for j in picks) + " " + " ".join(words[j] for j in picks)
-        rows.append({"id": i, "conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": reply}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
@@ -56,7 +44,7 @@ def run_recipe(recipe, argv):
                                            ("medusa2", ["heads_warmup_steps=0"]), ("medusa2", ["base_loss=kl"])])
 def test_two_steps_on_a_repeated_batch_lower_the_loss(recipe, tmp_path, method, extra):
     # 6 examples, 2 held out, batch 4: every step sees the same 4 examples.
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     r = run_recipe(recipe, args(tmp_path, data, f"method={method}", "optim.max_steps=2", "optim.epochs=2", *extra))
     first, second = (h["loss"] for h in r.history)
     assert second < first, r.history
@@ -68,7 +56,7 @@ def test_two_steps_on_a_repeated_batch_lower_the_loss(recipe, tmp_path, method, 
 
 
 def test_trainable_parameters_are_exactly_the_recipes(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     r1 = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=1"))
     names = {n for n, p in r1.model.named_parameters() if p.requires_grad}
     assert names == {"heads.resblock_weight", "heads.resblock_bias"}
@@ -82,7 +70,7 @@ def test_trainable_parameters_are_exactly_the_recipes(recipe, tmp_path):
 
 
 def test_cached_hidden_states_give_the_same_loss_as_running_the_base(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 10)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 10)
     cached = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=2", f"output_dir={tmp_path / 'a'}"))
     live = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=2", "cache_hidden_states=false",
                                    f"output_dir={tmp_path / 'b'}"))
@@ -92,7 +80,7 @@ def test_cached_hidden_states_give_the_same_loss_as_running_the_base(recipe, tmp
 
 def test_main_saves_loadable_heads_with_accuracies(recipe, tmp_path):
     from medusa.heads import MedusaHeads
-    data = conversations(tmp_path / "d.jsonl", 10)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 10)
     metrics = recipe.main(args(tmp_path, data, "optim.max_steps=3"))
     heads_dir = tmp_path / "run" / "heads"
     model, _ = load_model("tiny:llama")
@@ -116,7 +104,7 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
     base_dir = tmp_path / "base"
     base.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
-    data = conversations(tmp_path / "d.jsonl", 10)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 10)
     recipe.main(args(tmp_path, data, f"model={base_dir}", "method=medusa2", "optim.max_steps=3", "optim.lr=0.05",
                      "lora.target_modules=[q_proj,v_proj,o_proj]"))
     heads_dir = tmp_path / "run" / "heads"
@@ -165,7 +153,7 @@ def test_medusa2_heads_carry_their_adapter_and_decode_the_adapted_model_lossless
 
 def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_within_it(recipe, tmp_path):
     from medusa.heads import MedusaHeads
-    data = conversations(tmp_path / "d.jsonl", 10)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 10)
     metrics = recipe.main(args(tmp_path, data, "optim.max_steps=2", "heads.draft_vocab_size=30"))
     model, tokenizer = load_model("tiny:llama")
     heads = MedusaHeads.from_pretrained(tmp_path / "run" / "heads", model)
@@ -178,7 +166,7 @@ def test_draft_vocabulary_comes_from_the_training_data_and_accuracy_is_measured_
 
 
 def test_draft_vocabulary_loss_trains_on_its_own_rows(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     r = run_recipe(recipe, args(tmp_path, data, "heads.draft_vocab_size=12", "optim.max_steps=2", "optim.epochs=2"))
     first, second = (h["loss"] for h in r.history)
     assert second < first, r.history
@@ -212,7 +200,7 @@ def assert_lossless_tiny_llama(recipe, heads_dir):
 
 
 def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     r = run_recipe(recipe, args(tmp_path, data, "heads.sequential=true", "optim.max_steps=2", "optim.epochs=2"))
     first, second = (h["loss"] for h in r.history)
     assert second < first, r.history
@@ -227,7 +215,7 @@ def test_sequential_heads_train_save_and_decode_losslessly(recipe, tmp_path):
 
 
 def test_prefix_attention_with_distillation_trains_saves_and_decodes_losslessly(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     overrides = ["heads.sequential=true", "heads.prefix_attention=true", "heads.prefix_mlp_size=16",
                  "distill_weight=0.5"]
     r = run_recipe(recipe, args(tmp_path, data, *overrides, "optim.max_steps=2", "optim.epochs=2"))
@@ -244,7 +232,7 @@ def test_prefix_attention_with_distillation_trains_saves_and_decodes_losslessly(
 
 
 def test_distillation_term_is_the_kl_to_the_base_distribution(recipe, tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 6)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 6)
     ce = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=1", "optim.lr=0"))
     kl = run_recipe(recipe, args(tmp_path, data, "optim.max_steps=1", "optim.lr=0", "distill_weight=1.0",
                                  f"output_dir={tmp_path / 'kl'}"))
@@ -286,37 +274,19 @@ def test_num_heads_below_one_fails_before_training(recipe, tmp_path):
 
 # ---------------------------------------------------------------- processes, kill and resume (subprocesses)
 
-def launch(argv: list[str], *, processes: int = 1, wrapper: str | None = None, check: bool = True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if processes > 1:
-        # `accelerate launch --cpu --num_processes N` starts ONE process in accelerate 1.x (its simple launcher);
-        # --multi_gpu spawns N, and ACCELERATE_USE_CPU keeps them on the CPU (DDP over gloo).
-        env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), *argv]
-    elif wrapper:
-        cmd = [sys.executable, "-c", wrapper, *argv]
-    else:
-        cmd = [sys.executable, str(SCRIPT), *argv]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def launch(argv: list[str], **kwargs):
+    return launch_recipe(SCRIPT, argv, **kwargs)
 
-
-def losses(run_dir: Path) -> list[float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 18)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 18)
     common = ["optim.max_steps=3", "data.eval_samples=2"]
     launch(args(tmp_path, data, *common, "optim.batch_size=4", f"output_dir={tmp_path / 'one'}"))
     two = launch(args(tmp_path, data, *common, "optim.batch_size=2", f"output_dir={tmp_path / 'two'}"), processes=2)
     assert "2 processes" in two.stdout
-    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-4)
+    assert logged_losses(tmp_path / "one") == pytest.approx(logged_losses(tmp_path / "two"), rel=1e-4)
     one = load_file(str(tmp_path / "one/heads/model.safetensors"))
     two = load_file(str(tmp_path / "two/heads/model.safetensors"))
     for name in one:
@@ -344,7 +314,7 @@ runpy.run_path({script!r}, run_name="__main__")
 @pytest.mark.slow
 def test_kill_9_then_resume_ends_with_the_same_heads(tmp_path):
     from selfspec.runtime.io import is_complete
-    data = conversations(tmp_path / "d.jsonl", 14)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 14)
     common = ["optim.max_steps=6", "optim.schedule=cosine", "optim.warmup_steps=1", "logging.save_every=2",
               "data.eval_samples=2"]
     launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
@@ -361,7 +331,7 @@ def test_kill_9_then_resume_ends_with_the_same_heads(tmp_path):
     resumed = load_file(str(tmp_path / "killed/heads/model.safetensors"))
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
-    assert losses(tmp_path / "killed")[-2:] == pytest.approx(losses(tmp_path / "straight")[-2:], rel=1e-5)
+    assert logged_losses(tmp_path / "killed")[-2:] == pytest.approx(logged_losses(tmp_path / "straight")[-2:], rel=1e-5)
     assert all(is_complete(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
 
 
@@ -384,7 +354,7 @@ def test_chunked_cross_entropy_matches_the_plain_loss_and_gradients(weight_grad)
 
 @pytest.mark.slow
 def test_wandb_logs_offline_without_an_account(tmp_path):
-    data = conversations(tmp_path / "d.jsonl", 8)
+    data = repetitive_conversations(tmp_path / "d.jsonl", 8)
     env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     result = subprocess.run([sys.executable, str(SCRIPT), *args(tmp_path, data, "optim.max_steps=2",
                                                                "logging.report_to=wandb")],
