@@ -140,8 +140,7 @@ class EagleDrafter(DrafterBase):
         frontier = torch.arange(k0)  # global node ids of the last level
         frontier_scores = scores[0]
         count = k0
-        # Per expanded node: its KV slot (draft entry index) and its output row; the root's output is ``last``.
-        slot_of = torch.full((k0 + (depth - 1) * width * top_k,), -1, dtype=torch.long)
+        slot_of: dict[int, int] = {}
         states_of: dict[int, torch.Tensor] = {}
         ancestors = torch.zeros(depth * width, depth * width, dtype=torch.bool, device=device)
         written = 0
@@ -152,24 +151,9 @@ class EagleDrafter(DrafterBase):
             keep = frontier_scores.topk(min(width, len(frontier))).indices
             expand = frontier[keep]  # global ids
             rows = len(expand)
-            all_parents = torch.cat(parents)
             tokens = vocab[torch.cat(columns)[expand.to(device)]]
-            parent_ids = all_parents[expand]
-            hidden = torch.cat([self.last[0] if int(p) < 0 else states_of[int(p)] for p in parent_ids])[None]
-            new_slots = torch.arange(written, written + rows)
-            for r, (node, parent) in enumerate(zip(expand.tolist(), parent_ids.tolist())):
-                s = written + r
-                if parent >= 0:
-                    ancestors[s] = ancestors[int(slot_of[parent])]
-                ancestors[s, s] = True
-                slot_of[node] = s
-            written += rows
-            allowed = ancestors[new_slots.to(device)][:, :written]  # [rows, written]
-            mask = torch.cat([torch.ones(rows, prefix, dtype=torch.bool, device=device), allowed], dim=1)
-            positions = torch.full((1, rows), prefix + level - 1, dtype=torch.long, device=device)
-            out = self.draft.step(hidden, tokens[None], positions, mask[None, None], self.cache)  # [1, rows, h]
-            for r, node in enumerate(expand.tolist()):
-                states_of[node] = out[0, r:r + 1]
+            out, written = self._expand(prefix, level, expand.tolist(), torch.cat(parents)[expand].tolist(), tokens,
+                                        slot_of, states_of, ancestors, written)
             top = self._log_probs(out[0]).topk(min(top_k, vocab.numel()), dim=-1)  # [rows, k]
             child_scores = (torch.cat(scores)[expand][:, None] + top.values.double().cpu()).reshape(-1)
             k = top.values.shape[1]
@@ -188,6 +172,29 @@ class EagleDrafter(DrafterBase):
         tree_parents = torch.where(old_parents >= 0, new_index[old_parents.clamp_min(0)], old_parents)
         ids = vocab[torch.cat(columns)[keep.to(device)]]
         return DraftTree(ids.cpu(), tree_parents)
+
+    def _expand(self, prefix: int, level: int, nodes: list[int], parents: list[int], tokens: torch.Tensor,
+                slot_of: dict[int, int], states_of: dict[int, torch.Tensor], ancestors: torch.Tensor,
+                written: int) -> tuple[torch.Tensor, int]:
+        """One draft step over ``nodes`` (their ``tokens``, children of ``parents``, -1 = the root) at depth
+        ``level``: each reads its parent's output and sees the verified prefix plus its own ancestors' entries.
+        Records each node's KV slot and output; returns the outputs ``[1, rows, hidden]`` and the slots written."""
+        device, rows = self.last.device, len(nodes)
+        for r, (node, parent) in enumerate(zip(nodes, parents)):
+            slot = written + r
+            if parent >= 0:
+                ancestors[slot] = ancestors[slot_of[parent]]
+            ancestors[slot, slot] = True
+            slot_of[node] = slot
+        written += rows
+        mask = torch.cat([torch.ones(rows, prefix, dtype=torch.bool, device=device),
+                          ancestors[written - rows:written, :written]], dim=1)
+        hidden = torch.cat([self.last[0] if p < 0 else states_of[p] for p in parents])[None]
+        positions = torch.full((1, rows), prefix + level - 1, dtype=torch.long, device=device)
+        out = self.draft.step(hidden, tokens[None], positions, mask[None, None], self.cache)
+        for r, node in enumerate(nodes):
+            states_of[node] = out[0, r:r + 1]
+        return out, written
 
     def _grow_static(self, prefix: int) -> DraftTree:
         """A static tree: node ``i`` holds the rank-``template.rank[i]`` child of its parent."""
@@ -212,22 +219,10 @@ class EagleDrafter(DrafterBase):
             expand = [i for i in level_nodes if i in has_children]
             if not expand:
                 break
-            for r, i in enumerate(expand):
-                s = written + r
-                if parents[i] >= 0:
-                    ancestors[s] = ancestors[slot_of[parents[i]]]
-                ancestors[s, s] = True
-                slot_of[i] = s
-            rows = len(expand)
-            written += rows
-            allowed = ancestors[written - rows:written, :written]
-            mask = torch.cat([torch.ones(rows, prefix, dtype=torch.bool, device=device), allowed], dim=1)
-            hidden = torch.cat([self.last[0] if parents[i] < 0 else states_of[parents[i]] for i in expand])[None]
-            positions = torch.full((1, rows), prefix + level - 1, dtype=torch.long, device=device)
-            out = self.draft.step(hidden, tokens[expand][None].to(device), positions, mask[None, None], self.cache)
+            out, written = self._expand(prefix, level, expand, [parents[i] for i in expand], tokens[expand].to(device),
+                                        slot_of, states_of, ancestors, written)
             top = self._log_probs(out[0]).topk(template.max_rank, dim=-1).indices
             for r, i in enumerate(expand):
-                states_of[i] = out[0, r:r + 1]
                 ranked[i + 1] = top[r]
         return template.with_tokens(tokens)
 

@@ -171,15 +171,13 @@ class EagleDraftModel(nn.Module):
     def refresh_shared(self) -> None:
         """Re-read the base LM-head rows of the draft vocabulary (after ``draft_vocab`` or the device changed)."""
         head = self.base_model.get_output_embeddings()
-        self._shared_rows = head.weight.detach()[self.draft_vocab.to(head.weight.device)]
+        rows = head.weight.detach()[self.draft_vocab.to(head.weight.device)]
         bias = getattr(head, "bias", None)
-        self._shared_bias = None if bias is None else bias.detach()[self.draft_vocab.to(bias.device)]
         # The rows as a (frozen, unregistered) linear layer, so that the decode-time kernels apply to it too.
-        shared = nn.Linear(self._shared_rows.shape[1], self._shared_rows.shape[0], bias=bias is not None,
-                           device="meta")
-        shared.weight = nn.Parameter(self._shared_rows, requires_grad=False)
+        shared = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device="meta")
+        shared.weight = nn.Parameter(rows, requires_grad=False)
         if bias is not None:
-            shared.bias = nn.Parameter(self._shared_bias, requires_grad=False)
+            shared.bias = nn.Parameter(bias.detach()[self.draft_vocab.to(bias.device)], requires_grad=False)
         object.__setattr__(self, "shared_head", shared)
 
     def linear_layers(self) -> list[nn.Linear]:
@@ -230,15 +228,17 @@ class EagleDraftModel(nn.Module):
         normed = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(normed)
-        if normed.dtype != self._shared_rows.dtype:
-            return F.linear(normed, self._shared_rows.to(normed.dtype), self._shared_bias)
-        return self.shared_head(normed)
+        shared = self.shared_head
+        if normed.dtype != shared.weight.dtype:
+            bias = None if shared.bias is None else shared.bias.to(normed.dtype)
+            return F.linear(normed, shared.weight.to(normed.dtype), bias)
+        return shared(normed)
 
     def head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [draft_vocab, hidden], bias)`` of the draft head (the trained one or the shared base rows)."""
         if self.lm_head is not None:
             return self.lm_head.weight, None
-        return self._shared_rows, self._shared_bias
+        return self.shared_head.weight, self.shared_head.bias
 
     # ------------------------------------------------------------ training-time test
     def forward(self, aux: Sequence[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,

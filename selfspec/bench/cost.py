@@ -8,27 +8,19 @@ shared machine falls on all of them alike. A flat curve (8 tokens costing what 1
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from selfspec.runtime import cache as kv
-from selfspec.runtime.kernels import linear_backend
+from selfspec.runtime.kernels import cpu_signature, linear_backend
 
 
 def cpu_model() -> str:
     """The processor's model name (``/proc/cpuinfo``), e.g. ``AMD EPYC 7B13``; ``platform.processor()`` elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_signature()["cpu"]
 
 
 def _sync(device: torch.device) -> None:
