@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from early_exit.classifier import ExitClassifier, check_adapter, new_classifier
 from early_exit.exit_loss import WEIGHT_RULES, EarlyExitBackbone, early_exit_losses, resolve_loss_layers
+from early_exit.layer_dropout import LayerDropout, dropout_rates
 from selfspec import training as T
 from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.layers import num_decoder_layers
@@ -56,8 +57,11 @@ class EarlyExitLossConfig:
     loss_every: int = 4  # rule: every k-th layer, plus the exit layer and the final layer
     layer_weights: list[float] | None = None  # one weight per loss layer, in order (None: weight_rule)
     weight_rule: str = "linear"  # linear: layer l weighs l / L (the final 1) | uniform: every layer 1
+    layer_dropout: float = 0.0  # LayerSkip's p_max: the deepest layer is skipped for this share of the rows
+    dropout_scale: str = "exp"  # how the skip rate grows with depth: exp (LayerSkip) | linear | uniform
 
     def __post_init__(self):
+        dropout_rates(2, self.layer_dropout, self.dropout_scale)  # raises on a bad rate or scale
         if self.weight_rule not in WEIGHT_RULES:
             raise ValueError(f"layerskip.weight_rule must be one of {', '.join(WEIGHT_RULES)}, got {self.weight_rule!r}")
         if isinstance(self.loss_every, bool) or not isinstance(self.loss_every, int) or self.loss_every < 1:
@@ -84,6 +88,7 @@ class EarlyExitRecipeConfig:
     loss_chunk_size: int = 1024  # positions per LM-head matmul in the loss (memory: chunk x vocab floats)
     cache_hidden_states: bool = True  # run the frozen base once over the training data, keep its states on disk
     hidden_cache_dir: str | None = None  # where (None: <output_dir>/data); recipes on the same data can share it
+    hidden_cache_layers: list[int] = dataclasses.field(default_factory=list)  # more layers stored in the same pass (an exit-layer sweep)
     loss_vocab: str = "auto"  # full | draft (KL over the draft vocabulary only: cheaper) | auto (draft if it is set)
     method: str = "distill"  # distill: frozen base, train the classifier | layerskip: LoRA backbone, early-exit loss
     classifier: ClassifierConfig = dataclasses.field(default_factory=ClassifierConfig)  # what is trained
@@ -136,6 +141,7 @@ class EarlyExitRecipe(T.Recipe):
                  allow_changed: tuple[str, ...] = ()):
         super().__init__(cfg, resume, argv, allow_changed)
         self.layerskip = cfg.method == "layerskip"
+        self.layer_dropout: LayerDropout | None = None
 
     # ------------------------------------------------------------ setup
     def setup(self):
@@ -156,6 +162,10 @@ class EarlyExitRecipe(T.Recipe):
             decoder = self.base.get_decoder()
             self.add_lora()  # the decoder now runs the adapters
             trained = EarlyExitBackbone(decoder)
+            if ls.layer_dropout:
+                rates = dropout_rates(num_decoder_layers(self.base), ls.layer_dropout, ls.dropout_scale)
+                self.layer_dropout = LayerDropout(decoder.layers, rates, seed=cfg.seed,
+                                                  process_index=self.accelerator.process_index)
         else:
             trained = self.classifier
         self._check_trainable(trained)
@@ -199,7 +209,7 @@ class EarlyExitRecipe(T.Recipe):
         exit_layer = self.cfg.classifier.exit_layer
         states = T.cached_hidden_states(self.base, self.train_examples, [exit_layer, -1], directory,
                                         pad_id=self.pad_id, batch_size=self.cfg.optim.batch_size,
-                                        accelerator=self.accelerator,
+                                        accelerator=self.accelerator, also=self.cfg.hidden_cache_layers,
                                         progress=lambda it: tqdm(it, desc="base hidden states",
                                                                  disable=not self.accelerator.is_local_main_process))
         return list(zip(states[exit_layer], states[-1]))
@@ -229,6 +239,8 @@ class EarlyExitRecipe(T.Recipe):
         every loss layer, one term per layer."""
         valid = trained_positions(batch)
         if self.layerskip:
+            if self.layer_dropout is not None and self.layer_dropout.step != self.step:
+                self.layer_dropout.set_step(self.step)  # rows dropped: a function of the step (resume-exact)
             hidden_states = self.model(batch["input_ids"], batch["attention_mask"])
             terms = early_exit_losses(hidden_states, self.base, valid, batch["input_ids"][:, 1:][valid],
                                       self.loss_layers, self.cfg.loss_chunk_size)

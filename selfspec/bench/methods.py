@@ -52,6 +52,8 @@ class Generation:
     steps: int | None = None
     tau: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    drafted: int | None = None  # draft tokens proposed (tree nodes), when the method drafts
+    first_accepted: int | None = None  # steps whose draft's first token was accepted
 
 
 class Method(Protocol):
@@ -207,4 +209,5 @@ class DrafterMethod:
         phases = {phase: float(getattr(stats, f"time_{phase}", 0.0) or 0.0)
                   for phase in ("prefill", "draft", "verify", "accept", "compact", "observe")}
         return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), seconds, getattr(stats, "steps", None),
-                          getattr(stats, "tau", None), phases)
+                          getattr(stats, "tau", None), phases, drafted=sum(stats.tree_sizes),
+                          first_accepted=sum(a > 0 for a in stats.accepted_per_step))

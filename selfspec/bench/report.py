@@ -25,11 +25,12 @@ def lossless_cell(entry: dict) -> str:
 
 def markdown_table(results: dict) -> str:
     """One row per method: tokens/s, speedup over vanilla, tau, identical outputs and where the time went."""
-    lines = ["| method | tokens/s | speedup | tau | identical to vanilla | time per phase (s) |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = ["| method | tokens/s | speedup | tau | first-token acceptance | draft ms/token | identical to vanilla "
+             "| time per phase (s) |", "|---|---:|---:|---:|---:|---:|---|---|"]
     for name, e in results["methods"].items():
         phases = ", ".join(f"{k} {v:.2f}" for k, v in e["time_per_phase"].items()) or "-"
         lines.append(f"| {name} | {_fmt(e['tokens_per_s'])} | {_fmt(e['speedup'])}x | {_fmt(e['tau'])} | "
+                     f"{_fmt(e.get('first_token_acceptance'))} | {_fmt(e.get('draft_ms_per_token'))} | "
                      f"{lossless_cell(e)} | {phases} |")
     return "\n".join(lines) + "\n"
 

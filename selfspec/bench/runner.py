@@ -177,6 +177,10 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
             "new_tokens": sum(len(g.tokens) for g in gens), "seconds": seconds,
             "steps": sum(g.steps for g in gens) if all(g.steps for g in gens) else None,
             "time_per_phase": phases,
+            # Draft quality and draft cost: how often the first draft token was right, and draft seconds per
+            # proposed token (a plain step costs 1 / tokens_per_s of vanilla).
+            "first_token_acceptance": _ratio(gens, "first_accepted", lambda g: g.steps),
+            "draft_ms_per_token": _ratio(gens, "drafted", lambda g: g.phases.get("draft"), invert=True, scale=1e3),
         }
         if run.settings.greedy:
             entry.update(lossless_check(model, run, name, near_tie=near_tie, gaps=gaps))
@@ -186,6 +190,19 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
                                for p, g in zip(run.prompts, gens)]
         out[name] = entry
     return out
+
+
+def _ratio(gens: Sequence[Generation], field_name: str, other, *, invert: bool = False,
+           scale: float = 1.0) -> float | None:
+    """sum(field) / sum(other(g)) over the generations (``invert``: the other way round), or None when a
+    generation lacks either or the denominator is 0."""
+    pairs = [(getattr(g, field_name), other(g)) for g in gens]
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    num, den = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    if invert:
+        num, den = den, num
+    return scale * num / den if den else None
 
 
 def _tokens_per_s(gens: Sequence[Generation]) -> float:

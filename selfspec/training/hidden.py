@@ -80,11 +80,14 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int], directory: str | Path, *,
                          pad_id: int = 0, batch_size: int = 8, accelerator: Any = None,
-                         progress: Callable[[Any], Any] | None = None) -> dict[int, list[torch.Tensor]]:
+                         progress: Callable[[Any], Any] | None = None,
+                         also: Sequence[int] = ()) -> dict[int, list[torch.Tensor]]:
     """``{layer: [one [len, hidden] tensor per example]}``, computed (by the main process) for the layers not yet
     stored under ``directory``, then read back by every process.
 
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
+    ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
+    on other layers of the same data (an exit-layer sweep) then skip the pass.
     """
     from safetensors.torch import load_file, save
 
@@ -93,19 +96,23 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     fingerprint = base_model_identity(model).get("fingerprint", "model")
     digest = examples_digest(examples)
     paths = {layer: directory / f"hidden-{fingerprint}-{digest}-{'last' if layer == -1 else f'L{layer}'}.safetensors"
-             for layer in layers}
+             for layer in dict.fromkeys([*layers, *also])}
     missing = [layer for layer in layers if not paths[layer].is_file()]
+    if missing:
+        missing += [layer for layer in paths if layer not in missing and not paths[layer].is_file()]
     main = accelerator is None or accelerator.is_main_process
     if missing and main:
         states: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in missing}
+        # Batches of similar lengths: padding to the longest of a random batch would double the work.
+        by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
         starts = range(0, len(examples), batch_size)
         for start in (progress(starts) if progress is not None else starts):
-            chunk = examples[start:start + batch_size]
-            batch = collate(chunk, pad_id)
+            chunk = by_length[start:start + batch_size]
+            batch = collate([examples[i] for i in chunk], pad_id)
             out = hidden_states(model, batch["input_ids"], batch["attention_mask"], missing)
             for layer in missing:
-                for i, e in enumerate(chunk):
-                    states[layer][str(start + i)] = out[layer][i, :len(e["input_ids"])].float().contiguous()
+                for row, i in enumerate(chunk):
+                    states[layer][str(i)] = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
         for layer in missing:
             atomic_write_bytes(paths[layer], save(states.pop(layer)))
     if accelerator is not None:

@@ -176,3 +176,29 @@ def test_sampling_skips_the_lossless_check():
     assert isinstance(run, BenchRun)
     entry = summarize(model, run)["none"]
     assert entry["identical"] is None and entry["divergences"] == []
+
+
+def test_first_token_acceptance_and_draft_cost_per_token():
+    """The issue-#19 columns: steps whose first draft token was accepted over all steps, and draft milliseconds per
+    proposed draft token, pooled over prompts; methods that do not draft report neither."""
+    model = tiny_model("llama")
+    prompts = [bench.Prompt(i, torch.tensor([[5, 6, 7]])) for i in range(2)]
+    run = BenchRun(prompts, SETTINGS)
+    run.generations["vanilla"] = [Generation([1, 2], 1.0, 2, 1.0)] * 2
+    run.generations["drafty"] = [Generation([1, 2], 0.5, 4, 2.0, {"draft": 0.02}, drafted=8, first_accepted=1),
+                                 Generation([1, 2], 0.5, 6, 2.0, {"draft": 0.04}, drafted=12, first_accepted=6)]
+    results = summarize(model, run)
+    assert results["drafty"]["first_token_acceptance"] == pytest.approx(7 / 10)
+    assert results["drafty"]["draft_ms_per_token"] == pytest.approx(1e3 * 0.06 / 20)
+    assert results["vanilla"]["first_token_acceptance"] is None and results["vanilla"]["draft_ms_per_token"] is None
+    from selfspec.bench.report import markdown_table
+
+    table = markdown_table({"methods": results})
+    assert "| 0.70 | 3.00 |" in table and "| vanilla | 2.00 | 1.00x | 1.00 | N/A | N/A |" in table
+
+
+def test_drafter_methods_report_acceptance_from_the_decode_statistics():
+    model = tiny_model("llama")
+    gen = parse_method("early-exit").generate(model, torch.tensor([[5, 6, 7, 8]]), SETTINGS)
+    assert gen.drafted >= gen.steps > 0  # a chain of 6 per step
+    assert 0 <= gen.first_accepted <= gen.steps

@@ -141,3 +141,78 @@ def test_layerskip_trains_lora_only_and_saves_a_classifier_for_the_adapted_model
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits)
     assert torch.equal(generate(merged, drafter, ids, max_new_tokens=24).sequences, expected)
+
+
+# ---------------------------------------------------------------- layer dropout (LayerSkip's training recipe)
+def test_layer_dropout_rates_follow_the_layerskip_scale():
+    from early_exit.layer_dropout import dropout_rates
+
+    exp = dropout_rates(4, 0.2, "exp")
+    assert exp[0] == 0.0 and exp[-1] == pytest.approx(0.2)
+    assert exp[1] == pytest.approx(0.2 * (2 ** (1 / 3) - 1)) and exp[2] == pytest.approx(0.2 * (2 ** (2 / 3) - 1))
+    assert dropout_rates(5, 0.4, "linear") == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert dropout_rates(3, 0.3, "uniform") == pytest.approx([0.3] * 3)
+    for p_max, scale, message in ((1.0, "exp", r"probability in \[0, 1\)"), (-0.1, "exp", "probability"),
+                                  (0.1, "cubic", "exp, linear, uniform")):
+        with pytest.raises(ValueError, match=message):
+            dropout_rates(4, p_max, scale)
+
+
+def test_layer_dropout_skips_layers_per_row_in_training_only():
+    """A dropped layer passes its input through for that row; evaluation (and decoding) sees the whole model; the
+    rows dropped are a function of the step, and their share follows the rate."""
+    from early_exit.layer_dropout import LayerDropout
+    from selfspec.testing import tiny_model
+
+    model = tiny_model("llama", dtype=torch.float64).eval()
+    ids = torch.randint(2, 96, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        without = model.model.layers[2]
+        model.model.layers = torch.nn.ModuleList([m for m in model.model.layers if m is not without])
+        model.config.num_hidden_layers -= 1
+        skipped = model(ids, use_cache=False).logits
+    model = tiny_model("llama", dtype=torch.float64)
+    dropout = LayerDropout(model.model.layers, [0.0, 0.0, 0.9999, 0.0], seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, full, rtol=0, atol=0)  # eval: no dropout
+        assert dropout.dropped == [0, 0, 0, 0]
+        torch.testing.assert_close(model.train()(ids).logits, skipped, rtol=0, atol=0)  # every row skips layer 2
+        assert dropout.dropped == [0, 0, 3, 0]
+    dropout.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(model.train()(ids).logits, full, rtol=0, atol=0)
+
+    half = LayerDropout(model.model.layers, [0.5] * 4, seed=3)
+    draws = []
+    for step in (0, 1, 0):
+        half.set_step(step)
+        half.dropped = [0] * 4
+        with torch.no_grad():
+            model.train()(torch.randint(2, 96, (100, 3)))
+        draws.append(list(half.dropped))
+    assert draws[0] == draws[2] != draws[1]  # same step, same rows; another step, others
+    assert all(30 <= d <= 70 for d in draws[0] + draws[1]), draws
+    half.remove()
+
+
+def test_layerskip_with_layer_dropout_trains_and_resumes_exactly(tmp_path):
+    """The tiny LayerSkip config drops layers (p_max 0.2): the loss differs from a run without dropout, and a run
+    stopped at step 2 and resumed to 4 ends with the same adapter as a straight run to 4."""
+    from safetensors.torch import load_file
+
+    def run(out, *extra, resume=False):
+        return exit_recipe.main(["--config", str(TINY), *(["--resume"] if resume else []),
+                                 *early_exit_overrides(tmp_path, out, **{"optim.lr": 0.01, **dict(extra)})])
+
+    with_dropout = run("drop", ("optim.max_steps", 4))
+    without = run("plain", ("optim.max_steps", 4), ("layerskip.layer_dropout", 0.0))
+    assert [r["loss"] for r in with_dropout["history"]] != [r["loss"] for r in without["history"]]
+    run("resumed", ("optim.max_steps", 2))
+    run("resumed", ("optim.max_steps", 4), resume=True)
+    name = "backbone_adapter/adapter_model.safetensors"
+    straight = load_file(str(tmp_path / "drop" / "heads" / name))
+    resumed = load_file(str(tmp_path / "resumed" / "heads" / name))
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)

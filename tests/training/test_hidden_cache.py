@@ -61,3 +61,27 @@ def test_cached_once_per_layer_and_shared(tmp_path, monkeypatch):
     # Other data: other files.
     T.cached_hidden_states(model, _examples(5, seed=1), [-1], tmp_path)
     assert len(list(tmp_path.glob("hidden-*"))) == 4
+
+
+def test_more_layers_are_stored_in_the_same_pass_for_later_recipes(tmp_path, monkeypatch):
+    """``also``: an exit-layer sweep computes every layer it will train on in one pass; later recipes on those
+    layers read them back without running the model. Batches group examples of similar lengths, and each example's
+    states land under its own index whatever batch it ran in."""
+    model = tiny_model("llama")
+    examples = _examples(7, seed=2)
+    computed = []
+    real = T.hidden.hidden_states
+    monkeypatch.setattr(T.hidden, "hidden_states", lambda *a, **k: computed.append(a[1].shape) or real(*a, **k))
+    first = T.cached_hidden_states(model, examples, [2, -1], tmp_path, batch_size=3, also=[1, 3, 2])
+    assert set(first) == {2, -1} and len(computed) == 3
+    # Length-sorted batches pad little: at most the spread of lengths within each batch of 3.
+    lengths = sorted(len(e["input_ids"]) for e in examples)
+    assert [shape[1] for shape in computed] == [lengths[2], lengths[5], lengths[6]]
+    later = T.cached_hidden_states(model, examples, [1, 3, -1], tmp_path, batch_size=3)
+    assert len(computed) == 3  # nothing recomputed
+    with torch.no_grad():
+        for i, e in enumerate(examples):
+            expected = model(input_ids=torch.tensor([e["input_ids"]]), output_hidden_states=True).hidden_states
+            for layer in (1, 3):
+                torch.testing.assert_close(later[layer][i], expected[layer][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(first[2][i], expected[2][0], rtol=1e-5, atol=1e-5)
