@@ -25,7 +25,7 @@ from early_exit.adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, Re
 from early_exit.layers import check_supported
 from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
 from selfspec.runtime.identity import base_model_identity
-from selfspec.runtime.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, load_verified_weights
+from selfspec.runtime.io import CALIBRATION_NAME, CONFIG_NAME, WEIGHTS_NAME, atomic_directory, load_verified_weights
 from selfspec.runtime.layers import num_decoder_layers
 
 KIND = "early-exit"
@@ -197,7 +197,7 @@ class ExitClassifier(nn.Module):
         return nn.functional.linear(features, self._draft_weight, bias), self.draft_vocab
 
     def save_pretrained(self, directory: str | Path, model, notes: str = "", *, base_identity: dict | None = None,
-                        backbone_adapter: str | Path | None = None) -> Path:
+                        backbone_adapter: str | Path | None = None, calibration: dict | None = None) -> Path:
         """Write ``config.json`` (stamped with the base model's identity, which loading checks),
         ``model.safetensors`` (only the classifier's own tensors) and a README (the config and metrics, then
         ``notes``), atomically: a crash leaves the old directory or the complete new one.
@@ -207,6 +207,7 @@ class ExitClassifier(nn.Module):
             base_identity: the identity to record instead (LayerSkip: the base *before* its adapter was merged).
             backbone_adapter: a folder written by ``selfspec.runtime.adapters.export_backbone_adapter``, copied into
                 ``backbone_adapter/`` in the same atomic write; ``config.backbone_adapter`` must describe it.
+            calibration: how ``config.policy`` was chosen (``selfspec calibrate``), written to calibration.json.
 
         Raises:
             ValueError: an adapter folder without ``config.backbone_adapter`` (or the other way round), or an
@@ -228,6 +229,8 @@ class ExitClassifier(nn.Module):
             tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "kind": KIND})
             (tmp / "README.md").write_text(default_readme(self.config) + notes)
+            if calibration is not None:
+                (tmp / CALIBRATION_NAME).write_text(json.dumps(calibration, indent=2) + "\n")
         return Path(directory)
 
     @classmethod

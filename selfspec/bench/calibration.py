@@ -29,7 +29,7 @@ from medusa.heads import MedusaHeads
 from medusa.trees import default_tree, expected_accept_length
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.replay import replay
-from selfspec.bench.runner import Prompt, mean_tau
+from selfspec.bench.runner import Prompt, mean_tau, run_benchmark
 from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop
 from selfspec.runtime.io import CONFIG_NAME
@@ -288,4 +288,87 @@ def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: di
         config.tree, config.dynamic_tree = setting.choices or [], None
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
     heads.save_pretrained(heads_dir, backbone_adapter=adapter, calibration=report)
+    return heads_dir / CONFIG_NAME
+
+
+# ---------------------------------------------------------------- calibration by decoding (drafters that run layers)
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One draft policy decoded on the calibration prompts, beside plain decoding in the same run."""
+
+    options: dict[str, Any]
+    tau: float
+    speedup: float  # tokens/s over plain decoding's, both summed over the prompts
+    tokens_per_s: float
+    draft_ms_per_step: float
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.options.items())
+
+
+def parse_grid(text: str) -> list[dict[str, Any]]:
+    """``"max_depth=2,4 threshold=0,0.5"`` -> every combination, as option dicts (numbers parsed).
+
+    Raises:
+        ValueError: an item that is not ``NAME=V1,V2,...`` or a value that is not a number.
+    """
+    import itertools
+
+    axes: list[tuple[str, list[Any]]] = []
+    for item in text.split():
+        name, eq, values = item.partition("=")
+        if not eq or not name or not values:
+            raise ValueError(f"--grid item {item!r}: expected NAME=V1,V2 (for example max_depth=2,4 threshold=0,0.5)")
+        parsed = []
+        for v in values.split(","):
+            try:
+                parsed.append(int(v) if v.lstrip("-").isdigit() else float(v))
+            except ValueError:
+                raise ValueError(f"--grid item {item!r}: {v!r} is not a number") from None
+        axes.append((name, parsed))
+    if not axes:
+        raise ValueError("--grid is empty: give NAME=V1,V2 items (for example max_depth=2,4 threshold=0,0.5)")
+    return [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
+
+
+def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: Sequence[dict[str, Any]],
+                    prompts: Sequence[Prompt], settings: GenSettings, *,
+                    progress: Callable[[PolicyResult], None] | None = None) -> tuple[PolicyResult, list[PolicyResult]]:
+    """Decode ``prompts`` with ``drafter_name`` under every policy of ``grid`` and with plain decoding, per prompt
+    in a rotated order (so that a drifting machine slows all alike), after one warm-up each; the best policy has the
+    highest summed tokens/s. For drafters whose cost replay cannot predict (they run the base's own layers)."""
+    methods = [parse_method(f"{drafter_name}:{heads_dir}", **options) for options in grid]
+    for i, method in enumerate(methods):
+        method.name = f"policy-{i}"
+    run = run_benchmark(model, prompts, methods, settings, progress=False)
+    plain = run.generations["vanilla"]
+    plain_speed = sum(len(g.tokens) for g in plain) / sum(g.seconds for g in plain)
+    rows = []
+    for i, options in enumerate(grid):
+        gens = run.generations[f"policy-{i}"]
+        speed = sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+        steps = sum(g.steps or 0 for g in gens)
+        row = PolicyResult(dict(options), mean_tau(gens) or 1.0, speed / plain_speed, speed,
+                           1e3 * sum(g.phases.get("draft", 0.0) for g in gens) / max(steps, 1))
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return max(rows, key=lambda r: r.tokens_per_s), rows
+
+
+def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
+    """Make ``options`` the early-exit classifier's default draft policy (``policy`` in config.json), with
+    ``report`` in calibration.json, rewriting the directory atomically through the classifier's own
+    ``save_pretrained`` (a LayerSkip classifier keeps its backbone adapter and the base it was trained from)."""
+    from early_exit.classifier import ExitClassifier
+
+    heads_dir = Path(heads_dir)
+    classifier = ExitClassifier.from_pretrained(heads_dir, model)
+    config = classifier.config
+    config.policy = {**config.policy, **options}
+    adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
+    classifier.save_pretrained(heads_dir, model, base_identity=dict(config.base_model), backbone_adapter=adapter,
+                               calibration=report)
     return heads_dir / CONFIG_NAME

@@ -10,6 +10,11 @@ Two ways to predict what a setting accepts:
 
 Either way the verification cost of every tree size is measured on this machine, and the chosen setting has the
 most predicted tokens per second.
+
+An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo exit) drafts with the base model's own
+shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
+chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
+saved as the classifier's default ``policy``. Calibrate on prompts a benchmark will not report on (MT-bench 1-40).
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from selfspec.bench.calibration import (
     calibrate_by_replay,
     check_accuracy,
     measure_tau,
+    parse_grid,
     report_dict,
+    save_exit_policy,
     save_setting,
     save_tree,
+    search_policies,
     settings_for,
 )
+from selfspec.bench.cost import cpu_model
 from selfspec.bench.methods import GenSettings
 from selfspec.bench.replay import make_references
 from selfspec.bench.runner import Prompt, eos_of, load_prompts
@@ -39,6 +48,9 @@ from selfspec.runtime.models import is_test_model, load_model
 from selfspec.runtime.prompts import encode_prompt
 from selfspec.training.data import BUILTIN_PROMPTS
 
+#: early-exit policies tried by default: chain length x path-confidence threshold
+EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
+
 
 def _ints(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
@@ -47,7 +59,7 @@ def _ints(text: str) -> list[int]:
 def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="choose the Medusa drafting (tree) for this machine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", required=True, help="Medusa heads directory")
+    p.add_argument("--heads", required=True, help="Medusa heads or early-exit classifier directory")
     add_common_arguments(p)
     p.set_defaults(limit=None)
     p.add_argument("--mode", choices=("replay", "accuracy"), default="replay",
@@ -66,6 +78,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per calibration prompt")
     p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
+    p.add_argument("--grid", default=EXIT_GRID,
+                   help=f"early-exit classifiers: draft policies to decode, NAME=V1,V2 items (default {EXIT_GRID!r})")
     p.set_defaults(func=run)
 
 
@@ -79,6 +93,9 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if heads_kind(args.heads) == "early-exit":
+        grid = parse_grid(args.grid)  # a malformed grid fails before the model loads
+        return _run_policy_search(args, grid)
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
     if config.base_model:  # before any continuation is generated: heads for another model are refused at once
@@ -140,4 +157,43 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
                   "overhead_ms": args.overhead_ms, "repeats": args.repeats}
         path = save_setting(model, args.heads, best.setting, report)
         print(f"saved '{best.setting.label}' into {path} (details in calibration.json)")
+    return 0
+
+
+def heads_kind(heads: str) -> str | None:
+    """The ``kind`` recorded in ``heads/config.json`` (None when absent or unreadable: Medusa's loader says why)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(heads) / "config.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _run_policy_search(args, grid: list[dict]) -> int:
+    from early_exit.classifier import ExitClassifier
+
+    model, tokenizer = load_model(args.model)
+    ExitClassifier.from_pretrained(args.heads, model)  # refuses a classifier for another model before any decoding
+    backend = apply_backend(model, args)
+    prompts = _calibration_prompts(args, model, tokenizer)
+    settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
+    print(f"calibration: {len(grid)} early-exit policies beside plain decoding, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens", flush=True)
+    print("policy | tau | speedup | draft ms/step")
+    best, rows = search_policies(model, "early-exit", args.heads, grid, prompts, settings,
+                                 progress=lambda r: print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | "
+                                                          f"{r.draft_ms_per_step:6.2f}", flush=True))
+    print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
+    if not args.dry_run:
+        report = {"mode": "decode", "chosen": best.options,
+                  "candidates": [{"policy": r.options, "tau": r.tau, "speedup": r.speedup,
+                                  "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step}
+                                 for r in rows],
+                  "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
+                  "cpu": cpu_model(), "prompts": args.prompts or "builtin", "limit": len(prompts),
+                  "max_new_tokens": args.max_new_tokens}
+        path = save_exit_policy(model, args.heads, best.options, report)
+        print(f"saved policy {best.label} into {path} (details in calibration.json)")
     return 0

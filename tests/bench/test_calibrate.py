@@ -169,3 +169,57 @@ def test_replay_calibration_command_saves_the_chosen_setting(tmp_path, capsys):
     else:
         assert config.tree == chosen["tree"] and config.dynamic_tree is None and drafter.beam is None
     assert "<- chosen" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- early-exit classifiers: policy search by decoding
+def _exit_classifier(tmp_path, model):
+    from early_exit import new_classifier
+
+    classifier = new_classifier(model, 2, adapter_layers=1, adapter="attention")
+    with torch.no_grad():
+        classifier.attention.o_proj.weight.normal_(0, 0.2)  # a trained-looking (non-identity) adapter
+    classifier.config.policy = {"max_depth": 5}
+    classifier.save_pretrained(tmp_path / "exit", model, notes="made by a test\n")
+    return tmp_path / "exit", classifier
+
+
+def test_grid_parsing():
+    assert cal.parse_grid("max_depth=2,4 threshold=0,0.5") == [
+        {"max_depth": 2, "threshold": 0}, {"max_depth": 2, "threshold": 0.5},
+        {"max_depth": 4, "threshold": 0}, {"max_depth": 4, "threshold": 0.5}]
+    for bad, message in (("max_depth", "expected NAME=V1,V2"), ("max_depth=2,x", "'x' is not a number"),
+                         ("", "--grid is empty")):
+        with pytest.raises(ValueError, match=message):
+            cal.parse_grid(bad)
+
+
+def test_calibrate_chooses_and_saves_an_early_exit_policy(tmp_path, capsys):
+    from early_exit import ExitClassifier
+    from selfspec.runtime.io import verify_directory
+
+    model, _ = load_model("tiny:llama")
+    heads, original = _exit_classifier(tmp_path, model)
+    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+               "--max-new-tokens", "8", "--grid", "max_depth=1,3 threshold=0,0.5", "--linear-backend", "stock"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    report = json.loads((heads / "calibration.json").read_text())
+    assert report["mode"] == "decode" and len(report["candidates"]) == 4
+    best = max(report["candidates"], key=lambda c: c["tokens_per_s"])
+    assert report["chosen"] == best["policy"] and f"chosen: max_depth={best['policy']['max_depth']}" in out
+    assert all(c["tau"] >= 1.0 and c["speedup"] > 0 for c in report["candidates"])
+    verify_directory(heads)  # rewritten with fresh checksums, still complete
+    config = json.loads((heads / "config.json").read_text())
+    assert config["policy"] == best["policy"]
+    reloaded = ExitClassifier.from_pretrained(heads, model).state_dict()
+    assert reloaded.keys() == original.state_dict().keys()  # the weights survive the rewrite unchanged
+    assert all(torch.equal(reloaded[k], v) for k, v in original.state_dict().items())
+
+
+def test_calibrate_early_exit_bad_grid_is_refused_before_loading(tmp_path, capsys):
+    model, _ = load_model("tiny:llama")
+    heads, _ = _exit_classifier(tmp_path, model)
+    rc = main(["calibrate", "--heads", str(heads), "--model", "tiny:llama", "--grid", "depth"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--grid item 'depth'" in err and "Traceback" not in err
