@@ -22,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    for command in sub.choices.values():  # accepted after the subcommand too: selfspec train ... --debug
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on an error, show the full traceback instead of one line")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     return parser
 
 
@@ -30,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        # User errors: one clear line, no traceback.
+        if args.debug:
+            raise
+        # User errors: one clear line, no traceback (--debug shows it).
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfspec {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -35,4 +35,11 @@ def register(subparsers) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help=f"recipe name ({', '.join(available_recipes())})")
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="--config FILE [key=value ...] [--resume]")
-    p.set_defaults(func=lambda args: run_recipe(args.recipe, args.recipe_args))
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if "--debug" in args.recipe_args:  # the remainder swallows it: it is selfspec's flag, not the recipe's
+        args.debug = True
+        args.recipe_args = [a for a in args.recipe_args if a != "--debug"]
+    return run_recipe(args.recipe, args.recipe_args)

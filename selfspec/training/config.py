@@ -35,13 +35,79 @@ def _build(cls, data: dict, where: str):
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
+        key = f"{where}.{name}" if where else name
         if _is_dataclass_type(tp):
-            value = _build(tp, value or {}, f"{where}.{name}" if where else name)
+            value = _build(tp, value or {}, key)
+        else:
+            value = _checked(value, tp, key)
         kwargs[name] = value
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"invalid config{' section ' + where if where else ''}: {e}") from None
+
+
+def _describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _checked(value, tp, key: str):
+    """``value`` as field type ``tp`` (an integer where a number is expected becomes a float).
+
+    Raises:
+        ValueError: naming the key, the expected type and the value given.
+    """
+    def convert(v, t):
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if t is typing.Any or t is object:
+            return v
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            for option in args:
+                if option is type(None):
+                    if v is None:
+                        return None
+                    continue
+                try:
+                    return convert(v, option)
+                except TypeError:
+                    pass
+            raise TypeError
+        if origin is list:
+            if not isinstance(v, list):
+                raise TypeError
+            return [convert(x, args[0]) for x in v] if args else v
+        if origin is dict:
+            if not isinstance(v, dict):
+                raise TypeError
+            return v
+        if t is bool:
+            if not isinstance(v, bool):
+                raise TypeError
+            return v
+        if t is int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError
+            return v
+        if t is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError
+            return float(v)
+        if t is str:
+            if not isinstance(v, str):
+                raise TypeError
+            return v
+        return v  # other annotations: the dataclass checks them
+
+    try:
+        return convert(value, tp)
+    except TypeError:
+        raise ValueError(f"config key {key}: expected {_describe(tp)}, got {value!r} (fix it in the YAML file or "
+                         f"override it: {key}=VALUE)") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -195,6 +261,14 @@ class OptimConfig:
             raise ValueError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
             raise ValueError("optim.batch_size, gradient_accumulation_steps and epochs must be >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optim.lr must be a finite learning rate > 0, got {self.lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.warmup_steps < 0 or (self.max_steps is not None and self.max_steps < 1):
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.max_steps >= 1 (or null)")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"optim.max_grad_norm must be > 0 (or null: no clipping), got {self.max_grad_norm!r}")
 
 
 @dataclasses.dataclass

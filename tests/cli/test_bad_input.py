@@ -34,6 +34,32 @@ PROBES = [
     (BENCH + ["--limit", "0"], "--limit: must be at least 1"),
     (BENCH + ["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
     (["cost", *NO_MODEL, "--tokens", "0"], "--tokens"),
+    (["cost", *NO_MODEL, "--tokens", "1,x"], "--tokens takes comma-separated integers, got '1,x'"),
+    (BENCH[:-1] + ["vanilla@nope"], "unknown linear backend 'nope' after '@'"),
+    (BENCH[:-1] + ["bogus"], "unknown method 'bogus'; available:"),
+    (["export", "--format", "bogus", "--heads", "h", "--out", "o"], "invalid choice: 'bogus'"),
+    (["ablate", "--config", "missing.yaml"], "the following arguments are required: --grid"),
+    (["train", "nope", "--config", "x.yaml"], "unknown recipe 'nope'; available:"),
+    (["train", "medusa", "--config", "no/such/config.yaml"], "config file no/such/config.yaml does not exist"),
+]
+
+# Recipe configs are checked (types, ranges, keys) before the base model is loaded or any data is written.
+TINY_MEDUSA = ["train", "medusa", "--config", str(Path(__file__).resolve().parents[2] / "configs/medusa/tiny.yaml")]
+TINY_LAYERSKIP = ["train", "early-exit", "--config",
+                  str(Path(__file__).resolve().parents[2] / "configs/early_exit/tiny-layerskip.yaml")]
+PROBES += [
+    (TINY_MEDUSA + ["optim.lr=abc"], "config key optim.lr: expected a number, got 'abc'"),
+    (TINY_MEDUSA + ["optim.lr=-1"], "optim.lr must be a finite learning rate > 0, got -1.0"),
+    (TINY_MEDUSA + ["optim.lr=.inf"], "optim.lr must be a finite learning rate > 0"),
+    (TINY_MEDUSA + ["optim.batch_size=2.5"], "config key optim.batch_size: expected an integer, got 2.5"),
+    (TINY_MEDUSA + ["seed=true"], "config key seed: expected an integer, got True"),
+    (TINY_MEDUSA + ["data.max_length=[1]"], "config key data.max_length: expected an integer"),
+    (TINY_MEDUSA + ["optim.max_grad_norm=0"], "optim.max_grad_norm must be > 0 (or null: no clipping)"),
+    (TINY_MEDUSA + ["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0"),
+    (TINY_MEDUSA + ["nosuch.key=1"], "unknown config key(s) ['nosuch']"),
+    (TINY_MEDUSA + ["optim.lr"], "override 'optim.lr' is not of the form key=value"),
+    (TINY_LAYERSKIP + ["layerskip.layer_dropout=1.5"], "layer dropout must be a probability in [0, 1), got 1.5"),
+    (TINY_LAYERSKIP + ["layerskip.dropout_scale=cubic"], "layer dropout scale must be one of exp, linear, uniform"),
 ]
 
 
@@ -44,6 +70,7 @@ def test_bad_input_is_one_clear_line(argv, message, capsys, monkeypatch):
 
     monkeypatch.setattr("selfspec.cli.generate.load_model", no_loading)
     monkeypatch.setattr("selfspec.cli.bench.load_model", no_loading)
+    monkeypatch.setattr("selfspec.training.recipe.load_model", no_loading)
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse's own errors
@@ -137,3 +164,14 @@ def test_calibrate_refuses_heads_of_another_model_before_any_work(tmp_path, caps
     code = main(["calibrate", "--heads", str(tmp_path / "h"), "--model", "tiny:qwen2"])
     err = capsys.readouterr().err
     assert code == 2 and "were trained for" in err and "Traceback" not in err, err
+
+
+def test_debug_shows_the_traceback(capsys):
+    """``--debug`` (before or after the subcommand, or among a recipe's arguments) re-raises the error."""
+    with pytest.raises(KeyError, match="unknown recipe"):
+        main(["--debug", "train", "nope"])
+    for argv in (["train", "--debug", *TINY_MEDUSA[1:], "optim.lr=abc"], [*TINY_MEDUSA, "optim.lr=abc", "--debug"]):
+        with pytest.raises(ValueError):
+            main(argv)
+    assert main([*TINY_MEDUSA, "optim.lr=abc"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
