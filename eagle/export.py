@@ -52,8 +52,9 @@ def speculators_state(draft: EagleDraftModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
-def speculators_config(draft: EagleDraftModel) -> dict:
-    """The speculators ``eagle3`` config of ``draft``."""
+def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> dict:
+    """The speculators ``eagle3`` config of ``draft``; ``verifier``: the target model's hub id or path (default: the
+    name the base model was loaded under when the drafter was trained)."""
     base = draft.base_model
     layer_config = base.config.to_diff_dict() if hasattr(base.config, "to_diff_dict") else base.config.to_dict()
     layer_config = {**layer_config, "num_hidden_layers": 1, "model_type": base.config.model_type,
@@ -74,15 +75,16 @@ def speculators_config(draft: EagleDraftModel) -> dict:
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": identity.get("name_or_path") or None,
+            "verifier": {"name_or_path": verifier or identity.get("name_or_path") or None,
                          "architectures": [identity.get("architecture") or type(base).__name__]},
         },
         "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy},
     }
 
 
-def export_speculators(draft: EagleDraftModel, out: str | Path) -> Path:
-    """Write ``draft`` to ``out`` in speculators' eagle3 format, atomically.
+def export_speculators(draft: EagleDraftModel, out: str | Path, verifier: str | None = None) -> Path:
+    """Write ``draft`` to ``out`` in speculators' eagle3 format, atomically (``verifier``: see
+    :func:`speculators_config`).
 
     Raises:
         ValueError: a base architecture vLLM's EAGLE-3 drafter cannot take (its draft layer is Llama's).
@@ -96,7 +98,7 @@ def export_speculators(draft: EagleDraftModel, out: str | Path) -> Path:
     out = Path(out)
     with atomic_directory(out) as tmp:
         tmp = Path(tmp)
-        (tmp / "config.json").write_text(json.dumps(speculators_config(draft), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(speculators_config(draft, verifier), indent=2) + "\n")
         save_file(speculators_state(draft), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     return out
 

@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--heads", required=True, help="the trained drafter's directory")
     p.add_argument("--out", required=True, help="directory to write (replaced atomically if it exists)")
     p.add_argument("--model", default=None, help="base model (default: the one the drafter was trained on)")
+    p.add_argument("--verifier", default=None,
+                   help="speculators: the target model's hub id or path recorded for vLLM (default: the hub id of a "
+                        "model alias, e.g. HuggingFaceTB/SmolLM2-135M-Instruct, else the base model's own name)")
     p.set_defaults(func=run)
 
 
@@ -48,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
         from eagle.export import export_speculators
         from eagle.model import from_pretrained
 
+        from selfspec.runtime.models import ALIASES
+
+        alias = ALIASES.get(args.model or "smollm2-135m-instruct")
         draft = from_pretrained(heads, model)
-        out = export_speculators(draft, args.out)
+        out = export_speculators(draft, args.out, args.verifier or (alias.hub_id if alias else None))
         print(f"wrote {out} (speculators eagle3: {draft.config.draft_vocab_size} draft tokens, layers "
               f"{draft.config.aux_layers})")
         return 0

