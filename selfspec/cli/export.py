@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if is_eagle:
         from eagle.export import export_speculators
         from eagle.model import from_pretrained
-
         from selfspec.runtime.models import ALIASES
 
         alias = ALIASES.get(args.model or "smollm2-135m-instruct")
