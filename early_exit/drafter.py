@@ -60,6 +60,9 @@ class DraftPolicy:
 class PartialForwardDrafter(ContextDrafter):
     """Drafts with base layers ``layer_ids`` and ``head``; the same loop serves early exit and layer skipping."""
 
+    #: it appends its draft to the base model's own KV cache (and crops it back): one sequence per cache
+    uses_base_cache = True
+
     def __init__(self, model, layer_ids: Sequence[int], head: DraftHead, policy: DraftPolicy = DraftPolicy()):
         self.model = model
         self.layer_ids = tuple(layer_ids)
