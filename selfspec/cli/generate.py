@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="decode this many prompts together (each row accepts its own tokens; outputs as at batch 1); "
+                        "answers print when their batch ends")
     add_backend_argument(p)
     p.set_defaults(func=run)
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(model_name)
     set_linear_backend(model, args.linear_backend)
     drafter = make_drafter(args.draft, model, args.heads, **options)
+    if args.batch_size > 1:
+        return _run_batches(args, model, tokenizer, drafter, prompts)
     for item in prompts:
         input_ids = encode_prompt(tokenizer, item["prompt"], chat=not args.no_chat)
         streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -107,4 +112,29 @@ def run(args: argparse.Namespace) -> int:
             s = out.stats
             print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau {s.tau:.2f}, {s.steps} steps]",
                   file=sys.stderr, flush=True)
+    return 0
+
+
+def _run_batches(args, model, tokenizer, drafter, prompts: list[dict]) -> int:
+    from decoding.batch import generate_batch
+
+    if args.acceptance == "typical":
+        raise ValueError("--acceptance typical is not available with --batch-size > 1 (batches accept losslessly)")
+    for start in range(0, len(prompts), args.batch_size):
+        items = prompts[start:start + args.batch_size]
+        encoded = [encode_prompt(tokenizer, item["prompt"], chat=not args.no_chat) for item in items]
+        out = generate_batch(model, drafter, encoded, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
+        for item, ids, sequence, s in zip(items, encoded, out.sequences, out.stats):
+            new = sequence[0, ids.shape[1]:].tolist()
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps({"id": item["id"], "prompt": item["prompt"], "token_ids": new, "text": text,
+                                  "stats": s.to_dict(), "batch_size": len(items)}), flush=True)
+            else:
+                print(text, flush=True)
+                print(f"[{s.new_tokens} tokens, tau {s.tau:.2f}, {s.steps} steps; batch of {len(items)}: "
+                      f"{sum(x.new_tokens for x in out.stats) / s.time_total:.1f} tokens/s together]",
+                      file=sys.stderr, flush=True)
     return 0

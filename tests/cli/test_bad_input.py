@@ -23,6 +23,7 @@ PROBES = [
     (GENERATE + ["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     (GENERATE + ["--max-new-tokens", "ten"], "--max-new-tokens: expected an integer, got 'ten'"),
     (GENERATE + ["--threads", "0"], "--threads: must be at least 1"),
+    (GENERATE + ["--batch-size", "0"], "--batch-size: must be at least 1"),
     (["generate", "--prompts", "p.jsonl", "--limit", "-3", *NO_MODEL], "--limit: must be at least 1"),
     (GENERATE + ["--draft", "medusa+nope"], "unknown drafter 'nope'"),
     (GENERATE + ["--heads", "some/heads"], "--heads some/heads is given but no drafter: add --draft medusa"),

@@ -146,3 +146,19 @@ def test_bad_batches_are_clear_errors(prompts, drafter, message):
         drafter = [make_drafter("lookup", model)]
     with pytest.raises(ValueError, match=message):
         generate_batch(model, drafter, prompts, max_new_tokens=4)
+
+
+def test_cli_batch_size_gives_the_batch_1_answers(tmp_path, capsys):
+    import json
+
+    from selfspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("Say hi", "Count to five, slowly", "Why")))
+    runs = {}
+    for size in (1, 3):
+        assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--draft", "lookup",
+                     "--max-new-tokens", "12", "--json", "--batch-size", str(size), "--linear-backend", "stock"]) == 0
+        runs[size] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in runs[3]] == [r["token_ids"] for r in runs[1]]
+    assert [r["batch_size"] for r in runs[3]] == [3, 3, 3]
