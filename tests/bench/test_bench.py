@@ -202,3 +202,23 @@ def test_drafter_methods_report_acceptance_from_the_decode_statistics():
     gen = parse_method("early-exit").generate(model, torch.tensor([[5, 6, 7, 8]]), SETTINGS)
     assert gen.drafted >= gen.steps > 0  # a chain of 6 per step
     assert 0 <= gen.first_accepted <= gen.steps
+
+
+def test_batched_benchmark_reports_each_batch_size_and_checks_every_row(tmp_path, capsys):
+    out = tmp_path / "batched"
+    rc = main(["bench", "--threads", "1", "--model", "tiny:llama", "--methods", "vanilla,lookup,none",
+               "--batch-sizes", "1,3", "--limit", "5", "--max-new-tokens", "10", "--out", str(out), "--quiet",
+               "--linear-backend", "stock"])
+    assert rc == 0
+    results = json.loads((out / "results-batched.json").read_text())
+    assert list(results["batch_sizes"]) == ["1", "3"]
+    for size, entries in results["batch_sizes"].items():
+        assert list(entries) == ["vanilla", "lookup", "none"]
+        for name, e in entries.items():
+            assert e["identical"] == e["total"] == 5, (size, name)  # every row equals its batch-1 answer
+            assert e["new_tokens"] == 50 and e["tokens_per_s"] > 0
+        assert entries["vanilla"]["speedup"] == 1.0 and entries["none"]["tau"] == 1.0
+    assert "| lookup |" in (out / "results-batched.md").read_text()
+    rc = main(["bench", "--model", "tiny:llama", "--methods", "vanilla,hf-pld", "--batch-sizes", "2", "--limit", "2",
+               "--out", str(out), "--quiet"])
+    assert rc == 2 and "'hf-pld' cannot decode batches" in capsys.readouterr().err
