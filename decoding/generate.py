@@ -156,6 +156,22 @@ def _stops(criteria, sequence: torch.Tensor, scores: torch.Tensor) -> bool:
     return bool(torch.as_tensor(criteria(sequence, scores)).any())
 
 
+def process_rows(processor, sequence: torch.Tensor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """Apply transformers logits ``processor`` to every verification row with that row's own prefix: row 0 (the
+    root's) reads ``sequence``, row ``i + 1`` (node ``i``) reads ``sequence`` followed by the tokens on the path down
+    to node ``i``, exactly the ``input_ids`` ``model.generate`` would hand the processor at that point."""
+    rows = []
+    paths: list[list[int]] = []
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for i in range(len(tree) + 1):
+        if i:
+            parent = parents[i - 1]
+            paths.append((paths[parent] if parent >= 0 else []) + [tokens[i - 1]])
+        prefix = sequence if i == 0 else torch.cat([sequence, sequence.new_tensor([paths[-1]])], dim=1)
+        rows.append(processor(prefix, logits[i:i + 1]))
+    return torch.cat(rows, dim=0)
+
+
 def _choose(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     if sampling.greedy:
         return int(logits.argmax(-1))
@@ -179,6 +195,7 @@ def generate(
     acceptance: str = "auto",
     generation_config=None,
     stopping_criteria=None,
+    logits_processor=None,
 ) -> GenerateOutput:
     """Generate with tree speculative decoding; greedy output equals ``model.generate(do_sample=False)``.
 
@@ -197,6 +214,10 @@ def generate(
         stopping_criteria: transformers ``StoppingCriteria`` (or a ``StoppingCriteriaList``, e.g. with
             ``StopStringCriteria``): checked after every new token, in order, with the scores that chose it, as
             ``generate`` does; the token that triggers one is kept and decoding ends there.
+        logits_processor: transformers ``LogitsProcessor``(s) that change the target distribution (repetition
+            penalty, no-repeat n-grams, bad words...): applied to every tree node's logits with that node's own
+            prefix (:func:`process_rows`), before greedy or sampling acceptance, so that the output still equals
+            ``model.generate`` with the same processors.
 
     Raises:
         ValueError: batch size > 1, max_new_tokens < 1, prompt + max_new_tokens beyond the context, a drafter whose
@@ -230,6 +251,8 @@ def generate(
     # 1. Prefill: the whole prompt, logits for the last position only.
     cache = kv.new_cache(model, capacity=input_ids.shape[1] + max_new_tokens + _TREE_SLACK)
     out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1)
+    if logits_processor is not None:
+        out.logits[0, -1:] = logits_processor(input_ids, out.logits[0, -1:])
     root = _choose(out.logits[0, -1], sampling, generator)
     new_tokens = [root]
     state = DecodeState(model=model, cache=cache, sampling=sampling, generator=generator,
@@ -261,6 +284,8 @@ def generate(
         # 3. Verify: one forward over root + all nodes, each seeing the prefix and its own ancestors.
         out = verify_forward(model, state.cache, root, tree, output_hidden_states=want_hidden)
         logits = out.logits[0]  # [n + 1, vocab]
+        if logits_processor is not None:
+            logits = process_rows(logits_processor, state.sequence, tree, logits)
         t2 = time.perf_counter()
 
         # 4. Accept the longest path the base model agrees with, and the token that follows it.

@@ -50,9 +50,60 @@ def test_unsupported_requests_are_refused(setup):
     with pytest.raises(ValueError, match="decodes one prompt"):
         model.generate(torch.cat([ids, ids]), custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
                        max_new_tokens=4)
-    with pytest.raises(ValueError, match="logits processors"):
-        model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, max_new_tokens=4,
-                       logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)]))
+    with pytest.raises(ValueError, match="unpadded prompt"):
+        model.generate(ids, attention_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, 4)], 1).long(),
+                       custom_generate=CUSTOM_GENERATE, trust_remote_code=True, max_new_tokens=4)
+
+
+PROCESSOR_SETTINGS = [
+    {"repetition_penalty": 1.6},
+    {"no_repeat_ngram_size": 2},
+    {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3, "min_new_tokens": 20},
+    {"bad_words_ids": "top"},  # filled in below: the tokens the unconstrained answer uses most
+    {"logits_processor": "repetition"},  # a processor object passed in, as model.generate takes it
+]
+
+
+@pytest.mark.parametrize("settings", PROCESSOR_SETTINGS, ids=lambda d: "+".join(d))
+@pytest.mark.parametrize("draft", ["eagle", "lookup"])
+def test_logits_processors_apply_per_tree_node_and_match_generate(setup, settings, draft):
+    """Processors change the target distribution: each tree node is scored with its own prefix, so the answer is
+    model.generate's with the same settings (and differs from the unprocessed one)."""
+    model, heads = setup
+    for n in (4, 11):
+        ids = random_prompt(n, seed=n + 1)
+        unprocessed = model.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+        kwargs = dict(settings)
+        if kwargs.get("bad_words_ids") == "top":
+            counts = torch.bincount(unprocessed[0, n:])
+            kwargs["bad_words_ids"] = [[int(t)] for t in counts.topk(2).indices]
+        if kwargs.get("logits_processor") == "repetition":
+            kwargs["logits_processor"] = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.8)])
+        plain = model.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None, **kwargs)
+        assert not torch.equal(plain, unprocessed)
+        ours = model.generate(ids, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft=draft,
+                              heads=heads if draft == "eagle" else None, max_new_tokens=24, eos_token_id=None,
+                              **kwargs)
+        assert torch.equal(ours, plain), (settings, draft, n)
+
+
+def test_processors_with_random_trees_match_generate():
+    """decoding.generate(logits_processor=...) under drafts that copy the processed answer most of the time (deep,
+    partial and branching acceptances), float64."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from decoding import generate
+    from selfspec.testing import RandomDrafter
+
+    model = tiny_model("qwen2", dtype=torch.float64)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.4), NoRepeatNGramLogitsProcessor(2)])
+    for seed in range(6):
+        ids = random_prompt(3 + 4 * seed, seed=seed)
+        reference = model.generate(ids, do_sample=False, max_new_tokens=30, pad_token_id=0, repetition_penalty=1.4,
+                                   no_repeat_ngram_size=2)
+        drafter = RandomDrafter(96, size=3 + seed, seed=seed, reference=reference, hit_rate=0.8)
+        out = generate(model, drafter, ids, max_new_tokens=30, logits_processor=processors)
+        assert out.sequences.tolist() == reference.tolist() and out.stats.tau > 1.5
 
 
 class StopAfterToken(StoppingCriteria):

@@ -12,12 +12,19 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     """Decode ``inputs`` (``[1, prompt]`` ids) with ``decoding.generate`` and the drafter ``draft``.
 
     Honours ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (keywords or
-    ``generation_config``), ``streamer``, ``stopping_criteria`` and ``stop_strings`` (with ``tokenizer``).
+    ``generation_config``), ``streamer``, ``stopping_criteria``, ``stop_strings`` (with ``tokenizer``), and the
+    logits processors ``model.generate`` would build from the same settings (``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``, ``sequence_bias``...) plus any passed as
+    ``logits_processor``: transformers' own builder makes the list, and selfspec applies it to every tree node with
+    that node's own prefix, so the output equals ``model.generate``'s.
 
     Raises:
-        ValueError: a batch of several prompts, left padding, or logits processors (not supported by this entry point
-            yet: use plain ``model.generate`` for those).
+        ValueError: a batch of several prompts, or left padding.
     """
+    import copy
+
+    from transformers import LogitsProcessorList
+
     from decoding import generate as speculative_generate
     from decoding.registry import make_drafter
 
@@ -27,9 +34,6 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     mask = kwargs.pop("attention_mask", None)
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("selfspec's custom_generate takes an unpadded prompt (attention_mask all ones)")
-    if logits_processor:
-        raise ValueError("selfspec's custom_generate does not apply logits processors yet (they change the target "
-                         "distribution per tree node); use model.generate without custom_generate for those")
     from transformers import StoppingCriteriaList, StopStringCriteria
 
     criteria = StoppingCriteriaList(stopping_criteria or [])
@@ -52,9 +56,20 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
     top_p = setting("top_p") if sample else None
     eos = setting("eos_token_id")
     kwargs.pop("pad_token_id", None)
+    # The processors model.generate would build from these settings, without the sampling warpers (decoding applies
+    # temperature / top-k / top-p itself, after the processors, in transformers' order).
+    processor_config = copy.deepcopy(config)
+    processor_config.update(**{k: kwargs.pop(k) for k in list(kwargs) if hasattr(processor_config, k)})
+    processor_config.do_sample = False
+    processor_config.eos_token_id = eos
+    model._prepare_special_tokens(processor_config, True, device=input_ids.device)  # EOS tensors the processors read
+    processors = model._get_logits_processor(
+        generation_config=processor_config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(logits_processor or []), device=input_ids.device, model_kwargs={})
     drafter = make_drafter(draft, model, heads, **(draft_options or {}))
     out = speculative_generate(model, drafter, input_ids, max_new_tokens=int(max_new_tokens),
                                temperature=temperature, top_k=top_k or None,
                                top_p=top_p if top_p is not None and top_p < 1.0 else None,
-                               eos_token_id=eos, streamer=streamer, stopping_criteria=criteria or None)
+                               eos_token_id=eos, streamer=streamer, stopping_criteria=criteria or None,
+                               logits_processor=processors or None)
     return out.sequences
