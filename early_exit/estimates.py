@@ -10,7 +10,7 @@ per-token acceptance ``a`` and relative draft cost ``c`` (a draft forward / a fu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -103,11 +103,31 @@ def relative_cost(model, kept_layers: int, head_rows: int | None = None) -> floa
     return (kept_layers * layer + draft_head) / total
 
 
-def chain_speedup(acceptance: float, cost: float, max_depth: int) -> tuple[float, int]:
-    """``(best expected speedup, chain length achieving it)`` over lengths 1..max_depth."""
+def chain_speedup(acceptance: float, cost: float, max_depth: int,
+                  verify_cost: Callable[[int], float] | None = None) -> tuple[float, int]:
+    """``(best expected speedup, chain length achieving it)`` over lengths 1..max_depth.
+
+    A chain of ``k`` draft tokens, each accepted with probability ``acceptance`` given its parent was, yields
+    ``(1 - a^(k+1)) / (1 - a)`` tokens per step and costs ``verify_cost(k + 1) + k * cost`` plain steps
+    (``verify_cost``: forward cost of ``n`` tokens over a 1-token forward; default 1, a flat curve).
+    """
     best = (0.0, 1)
     for k in range(1, max_depth + 1):
         a = min(max(acceptance, 0.0), 1.0)
         tau = float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-        best = max(best, (tau / (1 + k * cost), k))
+        verify = verify_cost(k + 1) if verify_cost is not None else 1.0
+        best = max(best, (tau / (verify + k * cost), k))
     return best
+
+
+def required_acceptance(target: float, cost: float, max_depth: int,
+                        verify_cost: Callable[[int], float] | None = None) -> float | None:
+    """The smallest per-token acceptance at which a chain (best length up to ``max_depth``) reaches ``target``
+    speedup, or None when even acceptance 1 does not (the draft or the verification costs too much)."""
+    if chain_speedup(1.0, cost, max_depth, verify_cost)[0] < target:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if chain_speedup(mid, cost, max_depth, verify_cost)[0] < target else (low, mid)
+    return high

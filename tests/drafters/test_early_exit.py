@@ -236,3 +236,14 @@ def test_exit_layer_table_script(tmp_path):
     assert [line.split("|")[1].strip() for line in lines[-3:]] == ["1", "2", "3"]
     rows = json.loads(out.with_suffix(".json").read_text())
     assert all(r["shared_equal"] and r["shared_tau"] >= 1.0 for r in rows)
+
+
+def test_required_acceptance_inverts_the_chain_speedup():
+    from early_exit.estimates import chain_speedup, required_acceptance
+
+    flat = required_acceptance(1.5, 0.1, 6)
+    assert chain_speedup(flat, 0.1, 6)[0] >= 1.5 > chain_speedup(flat - 1e-3, 0.1, 6)[0]
+    steep = required_acceptance(1.5, 0.1, 6, verify_cost=lambda n: 1 + 0.1 * (n - 1))
+    assert steep > flat  # a costlier verification needs better drafts
+    assert required_acceptance(1.5, 0.1, 6) < required_acceptance(1.5, 0.3, 6)  # and so does a costlier draft
+    assert required_acceptance(1.5, 0.6, 6, verify_cost=lambda n: 1 + 0.2 * (n - 1)) is None  # out of reach
