@@ -38,6 +38,36 @@ def verify_curve(cost: dict):
     return ratio
 
 
+#: (name, hidden, intermediate, layers, heads, kv heads, vocab) of public Llama-architecture models
+SHAPES = (("SmolLM2-135M", 576, 1536, 30, 9, 3, 49152), ("SmolLM2-360M", 960, 2560, 32, 15, 5, 49152),
+          ("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 49152), ("Llama-2-7B", 4096, 11008, 32, 32, 32, 32000),
+          ("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256))
+
+
+def shapes_table(target: float, max_depth: int, curve, exit_layer: int) -> str:
+    """Draft cost of a Kangaroo exit (E layers + a one-layer adapter + an 8,192-row head) over a full forward, in
+    weights read (machine-independent; built on the meta device, no memory), and the acceptance it would need."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from early_exit.estimates import relative_cost
+
+    rows = [f"Kangaroo exit at E={exit_layer} (+ one adapter layer, 8,192-row head) on other shapes, cost in weights "
+            "read (a lower bound on CPU, where fixed per-layer costs add to a small model's draft):", "",
+            f"| model | layers x hidden | draft cost / full forward | acceptance needed for {target}x, flat "
+            f"verification | with this machine's curve |", "|---|---|---:|---:|---:|"]
+    for name, hidden, inter, layers, heads, kv, vocab in SHAPES:
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        d = relative_cost(model, exit_layer + 1, head_rows=8192)
+        flat, here = required_acceptance(target, d, max_depth), required_acceptance(target, d, max_depth, curve)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        rows.append(f"| {name} | {layers} x {hidden} | {d:.3f} | {fmt(flat)} | {fmt(here)} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="results.json of the sweep's benchmark")
@@ -45,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=1.5)
     parser.add_argument("--max-depth", type=int, default=6)
     parser.add_argument("--output", help="write the markdown table here too")
+    parser.add_argument("--shapes", action="store_true",
+                        help="add the weight-count draft cost of a Kangaroo exit on other public model shapes")
+    parser.add_argument("--shape-exit", type=int, default=2, help="exit layer E for --shapes (default 2)")
     args = parser.parse_args(argv)
 
     results = json.loads(Path(args.results).read_text())
@@ -72,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(f"| {name} | {fmt(draft_ms)} | {fmt(d)} | {fmt(first)} | {fmt(e['tau'])} | "
                      f"{fmt(e['speedup'])}x | {fmt(need)} | {fmt(ceiling)}x |")
+    if args.shapes:
+        lines += ["", shapes_table(args.target, args.max_depth, curve, args.shape_exit)]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.output:
