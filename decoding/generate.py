@@ -128,7 +128,7 @@ def _check_inputs(model, drafter, input_ids: torch.Tensor, max_new_tokens: int) 
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"selfspec.generate decodes one sequence at a time (batch size 1), got batch size {input_ids.shape[0]}; "
-            "loop over the prompts, or use model.generate for batched plain decoding"
+            "decode several prompts together with decoding.batch.generate_batch(model, drafter, prompts)"
         )
     if input_ids.shape[1] < 1:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
@@ -142,6 +142,10 @@ def _check_inputs(model, drafter, input_ids: torch.Tensor, max_new_tokens: int) 
         )
     drafter_vocab = getattr(drafter, "vocab_size", None)
     vocab = model_vocab_size(model)
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        bad = int(input_ids.max()) if int(input_ids.max()) >= vocab else int(input_ids.min())
+        raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary (0..{vocab - 1}): were the "
+                         "prompt ids made by another tokenizer?")
     if drafter_vocab is not None and drafter_vocab != vocab:
         raise ValueError(
             f"the drafter proposes tokens from a vocabulary of {drafter_vocab} but the model's has {vocab}: "

@@ -20,6 +20,12 @@ def test_batch_larger_than_one(model):
         generate(model, None, torch.tensor([[1, 2], [3, 4]]), max_new_tokens=4)
 
 
+@pytest.mark.parametrize("bad", [96, 5000, -1])
+def test_prompt_ids_outside_the_vocabulary(model, bad):
+    with pytest.raises(ValueError, match=f"token id {bad}, outside the model's vocabulary \\(0..95\\)"):
+        generate(model, None, torch.tensor([[1, bad, 2]]), max_new_tokens=4)
+
+
 def test_empty_prompt(model):
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, None, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
