@@ -44,15 +44,28 @@ def test_sampling_settings_reach_the_decoder(setup):
     assert a.shape == greedy.shape and not torch.equal(a, greedy)  # sampled, not the greedy path
 
 
+@pytest.mark.parametrize("draft", ["eagle", "lookup"])
+def test_a_left_padded_batch_equals_generate_on_the_same_batch(setup, draft):
+    """HF's convention: left-padded prompts with an attention mask in, prompts + new tokens (right-padded) out."""
+    model, heads = setup
+    prompts = [random_prompt(n, seed=n)[0] for n in (3, 9, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
+    plain = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    ours = model.generate(ids, attention_mask=mask, custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
+                          draft=draft, heads=heads if draft == "eagle" else None, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(ours, plain)
+
+
 def test_unsupported_requests_are_refused(setup):
     model, heads = setup
     ids = random_prompt(5, seed=2)
-    with pytest.raises(ValueError, match="decodes one prompt"):
+    with pytest.raises(ValueError, match="without streamers, stopping criteria or logits processors"):
         model.generate(torch.cat([ids, ids]), custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
-                       max_new_tokens=4)
-    with pytest.raises(ValueError, match="unpadded prompt"):
-        model.generate(ids, attention_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, 4)], 1).long(),
-                       custom_generate=CUSTOM_GENERATE, trust_remote_code=True, max_new_tokens=4)
+                       max_new_tokens=4, repetition_penalty=1.3, pad_token_id=0)
 
 
 PROCESSOR_SETTINGS = [
