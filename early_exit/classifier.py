@@ -197,7 +197,8 @@ class ExitClassifier(nn.Module):
         return nn.functional.linear(features, self._draft_weight, bias), self.draft_vocab
 
     def save_pretrained(self, directory: str | Path, model, notes: str = "", *, base_identity: dict | None = None,
-                        backbone_adapter: str | Path | None = None, calibration: dict | None = None) -> Path:
+                        backbone_adapter: str | Path | None = None, calibration: dict | None = None,
+                        dtype: torch.dtype | None = None) -> Path:
         """Write ``config.json`` (stamped with the base model's identity, which loading checks),
         ``model.safetensors`` (only the classifier's own tensors) and a README (the config and metrics, then
         ``notes``), atomically: a crash leaves the old directory or the complete new one.
@@ -208,6 +209,8 @@ class ExitClassifier(nn.Module):
             backbone_adapter: a folder written by ``selfspec.runtime.adapters.export_backbone_adapter``, copied into
                 ``backbone_adapter/`` in the same atomic write; ``config.backbone_adapter`` must describe it.
             calibration: how ``config.policy`` was chosen (``selfspec calibrate``), written to calibration.json.
+            dtype: storage dtype of the floating-point weights (e.g. ``torch.float16`` halves a committed
+                classifier); loading casts them to the model's dtype.
 
         Raises:
             ValueError: an adapter folder without ``config.backbone_adapter`` (or the other way round), or an
@@ -226,7 +229,8 @@ class ExitClassifier(nn.Module):
             if backbone_adapter is not None:
                 copy_backbone_adapter(backbone_adapter, tmp)
             (tmp / CONFIG_NAME).write_text(self.config.to_json())
-            tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+            tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+                       for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "kind": KIND})
             (tmp / "README.md").write_text(default_readme(self.config) + notes)
             if calibration is not None:

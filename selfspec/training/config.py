@@ -261,8 +261,8 @@ class OptimConfig:
             raise ValueError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
             raise ValueError("optim.batch_size, gradient_accumulation_steps and epochs must be >= 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"optim.lr must be a finite learning rate > 0, got {self.lr!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):  # 0 trains nothing (a loss measurement), but is valid
+            raise ValueError(f"optim.lr must be a finite learning rate >= 0, got {self.lr!r}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.warmup_steps < 0 or (self.max_steps is not None and self.max_steps < 1):

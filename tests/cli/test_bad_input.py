@@ -50,8 +50,8 @@ TINY_LAYERSKIP = ["train", "early-exit", "--config",
                   str(Path(__file__).resolve().parents[2] / "configs/early_exit/tiny-layerskip.yaml")]
 PROBES += [
     (TINY_MEDUSA + ["optim.lr=abc"], "config key optim.lr: expected a number, got 'abc'"),
-    (TINY_MEDUSA + ["optim.lr=-1"], "optim.lr must be a finite learning rate > 0, got -1.0"),
-    (TINY_MEDUSA + ["optim.lr=.inf"], "optim.lr must be a finite learning rate > 0"),
+    (TINY_MEDUSA + ["optim.lr=-1"], "optim.lr must be a finite learning rate >= 0, got -1.0"),
+    (TINY_MEDUSA + ["optim.lr=.inf"], "optim.lr must be a finite learning rate >= 0"),
     (TINY_MEDUSA + ["optim.batch_size=2.5"], "config key optim.batch_size: expected an integer, got 2.5"),
     (TINY_MEDUSA + ["seed=true"], "config key seed: expected an integer, got True"),
     (TINY_MEDUSA + ["data.max_length=[1]"], "config key data.max_length: expected an integer"),

@@ -247,3 +247,22 @@ def test_required_acceptance_inverts_the_chain_speedup():
     assert steep > flat  # a costlier verification needs better drafts
     assert required_acceptance(1.5, 0.1, 6) < required_acceptance(1.5, 0.3, 6)  # and so does a costlier draft
     assert required_acceptance(1.5, 0.6, 6, verify_cost=lambda n: 1 + 0.2 * (n - 1)) is None  # out of reach
+
+
+def test_half_precision_storage_loads_as_the_models_dtype(tmp_path):
+    model = tiny_model("llama")
+    vocab = torch.arange(50)
+    classifier = new_classifier(model, 2, adapter_layers=1, adapter="attention", own_norm=True, draft_vocab=vocab)
+    with torch.no_grad():
+        for p in classifier.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    classifier.save_pretrained(tmp_path / "ee", model, dtype=torch.float16)
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "ee" / "model.safetensors"))
+    assert {v.dtype for k, v in saved.items() if k != "draft_vocab"} == {torch.float16}
+    assert saved["draft_vocab"].dtype == torch.long and torch.equal(saved["draft_vocab"], vocab)
+    loaded = ExitClassifier.from_pretrained(tmp_path / "ee", model)
+    for (name, a), b in zip(loaded.state_dict().items(), classifier.state_dict().values()):
+        assert a.dtype == b.dtype, name
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b.half().float(), rtol=0, atol=0)
