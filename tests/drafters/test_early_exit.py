@@ -266,3 +266,24 @@ def test_half_precision_storage_loads_as_the_models_dtype(tmp_path):
         assert a.dtype == b.dtype, name
         if a.is_floating_point():
             torch.testing.assert_close(a, b.half().float(), rtol=0, atol=0)
+
+
+def test_exit_sweep_report_script(tmp_path):
+    """The sweep's table from a benchmark's results.json and a cost curve: draft cost as a share of a plain step,
+    and the acceptance each exit layer would need (none for a draft that costs too much)."""
+    root = Path(__file__).resolve().parents[2]
+    results = {"config": {"cpu": "test CPU", "num_prompts": 2, "prompts": "p.jsonl", "max_new_tokens": 8},
+               "methods": {"vanilla": {"tokens_per_s": 20.0, "tau": 1.0, "speedup": 1.0},
+                           "early-exit:runs/s/e2/heads": {"tokens_per_s": 10.0, "tau": 1.1, "speedup": 0.5,
+                                                          "draft_ms_per_token": 5.0, "first_token_acceptance": 0.1},
+                           "early-exit:runs/s/e12/heads": {"tokens_per_s": 8.0, "tau": 1.2, "speedup": 0.4,
+                                                           "draft_ms_per_token": 40.0, "first_token_acceptance": 0.2}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    (tmp_path / "cost.json").write_text(json.dumps({"cpu": "test CPU", "ms": {"1": 50, "2": 55, "4": 65, "8": 95}}))
+    out = subprocess.run([sys.executable, str(root / "scripts" / "exit_sweep_report.py"), str(tmp_path / "results.json"),
+                          "--cost", str(tmp_path / "cost.json"), "--shapes"],
+                         check=True, cwd=root, capture_output=True, text=True, timeout=300).stdout
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| early-exit")}
+    assert "| 5.00 | 0.10 | 0.10 |" in rows["early-exit:runs/s/e2/heads"]  # 5 ms of a 50 ms plain step
+    assert rows["early-exit:runs/s/e12/heads"].split("|")[7].strip() == "-"  # 0.8 of a step: 1.5x is out of reach
+    assert "| Llama-2-7B | 32 x 4096 | 0.097 |" in out
