@@ -190,11 +190,31 @@ class ExitClassifier(nn.Module):
         head = model.get_output_embeddings()
         if not self.draft_vocab.numel():
             return head(features), None
-        if self._draft_weight is None or self._draft_weight.device != features.device:
-            # Gathered once: slicing 49152 rows every step would cost as much as the product it saves.
-            self._draft_weight = head.weight.detach()[self.draft_vocab]
-        bias = head.bias[self.draft_vocab] if getattr(head, "bias", None) is not None else None
-        return nn.functional.linear(features, self._draft_weight, bias), self.draft_vocab
+        return self.draft_head(model)(features), self.draft_vocab
+
+    def draft_head(self, model) -> nn.Linear:
+        """The LM-head rows of the draft vocabulary as one linear layer, gathered once (slicing 49152 rows every step
+        would cost as much as the product it saves) and kept out of the state dict; a decoder may put it on other
+        kernels (``selfspec.runtime.kernels.set_module_backend``)."""
+        head = model.get_output_embeddings()
+        linear = self.__dict__.get("_draft_linear")
+        if linear is None or linear.weight.device != head.weight.device or self._draft_weight is None:
+            bias = getattr(head, "bias", None)
+            rows = head.weight.detach()[self.draft_vocab]
+            linear = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device=rows.device, dtype=rows.dtype)
+            with torch.no_grad():
+                linear.weight.copy_(rows)
+                if bias is not None:
+                    linear.bias.copy_(bias.detach()[self.draft_vocab])
+            linear.requires_grad_(False)
+            self.__dict__["_draft_linear"] = linear  # not a submodule: never saved, never trained
+            self._draft_weight = linear.weight.detach()  # a plain tensor (a Parameter would register)
+        return linear
+
+    def linear_layers(self, model) -> list[nn.Linear]:
+        """Every linear layer a draft step runs (adapter, and the draft head when there is a draft vocabulary)."""
+        layers = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        return layers + ([self.draft_head(model)] if self.draft_vocab.numel() else [])
 
     def save_pretrained(self, directory: str | Path, model, notes: str = "", *, base_identity: dict | None = None,
                         backbone_adapter: str | Path | None = None, calibration: dict | None = None,
