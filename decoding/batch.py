@@ -27,6 +27,7 @@ from torch import nn
 from decoding import verify
 from decoding.drafter import DecodeState, Drafter, EmptyDrafter, SamplingParams
 from decoding.generate import (
+    _CPU,
     _TREE_SLACK,
     GenerationStats,
     _choose,
@@ -37,8 +38,6 @@ from decoding.generate import (
 )
 from decoding.tree import DraftTree
 from selfspec.runtime import cache as kv
-
-_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -92,33 +91,6 @@ def _check(model, drafter: Drafter, prompts: Sequence[torch.Tensor], max_new_tok
     if drafter_vocab is not None and drafter_vocab != vocab:
         raise ValueError(f"the drafter proposes tokens from a vocabulary of {drafter_vocab} but the model's has "
                          f"{vocab}: use a drafter trained for this model")
-
-
-def _move_rows(cache, moves: list[tuple[int, int, int]]) -> None:
-    """Copy, in every layer, the entry at slot ``src`` of batch row ``row`` to slot ``dst`` (``(row, src, dst)``)."""
-    if not moves:
-        return
-    rows, src, dst = (torch.tensor(col, dtype=torch.long) for col in zip(*moves))
-    for layer in kv._layers(cache):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            view = tensor.transpose(1, 2)  # [b, slots, heads, dim], sharing storage
-            view[rows.to(tensor.device), dst.to(tensor.device)] = view[rows.to(tensor.device), src.to(tensor.device)]
-
-
-def _select_rows(cache, rows: list[int]) -> None:
-    """Keep only batch rows ``rows`` (in that order) of every layer."""
-    for layer in kv._layers(cache):
-        index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
-        length = layer.keys.shape[-2]
-        if isinstance(layer, kv.BufferedLayer) and layer._key_buffer is not None:
-            layer._key_buffer = layer._key_buffer.index_select(0, index)
-            layer._value_buffer = layer._value_buffer.index_select(0, index)
-            layer.keys = layer._key_buffer[:, :, :length]
-            layer.values = layer._value_buffer[:, :, :length]
-        else:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
 
 
 @torch.inference_mode()
@@ -224,7 +196,7 @@ def generate_batch(
             trees[r] = tree
         t1 = time.perf_counter()
         if active != in_cache:  # rows that finished leave the batch
-            _select_rows(cache, [in_cache.index(r) for r in active])
+            kv.select_rows(cache, [in_cache.index(r) for r in active])
             in_cache = active
 
         # 2. One forward: every row's root + tree at slots [L, L + n_r), padded to N.
@@ -279,7 +251,7 @@ def generate_batch(
             s.tokens_per_step.append(len(step_tokens))
             s.tree_sizes.append(len(tree))
         t3 = time.perf_counter()
-        _move_rows(cache, moves)
+        kv.move_entries(cache, moves)
         for r, length in new_lengths.items():
             lengths[r] = length
         kv.crop(cache, max(lengths[r] for r in active))

@@ -25,7 +25,7 @@ import torch
 from decoding.drafter import DecodeState, DrafterBase
 from decoding.tree import DraftTree, TreeTemplate
 from eagle.model import DraftCache, EagleDraftModel, from_pretrained
-from selfspec.runtime.kernels import linear_backend_of, set_module_backend
+from selfspec.runtime.kernels import follow_backend
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
 _MIN_LOG_PROB = -1e4
@@ -74,11 +74,8 @@ class EagleDrafter(DrafterBase):
 
     # ------------------------------------------------------------ context
     def begin(self, state: DecodeState) -> None:
-        backend = linear_backend_of(self.model)
-        if backend != self._backend:  # draft on the kernels the base model was given (selfspec.runtime.kernels)
-            for layer in self.draft.linear_layers():
-                set_module_backend(layer, backend)
-            self._backend = backend
+        # Draft on the kernels the base model was given (selfspec.runtime.kernels).
+        self._backend = follow_backend(self.model, self.draft.linear_layers, self._backend)
         self.cache.reset()
         self.last = None
         self._extend(state)

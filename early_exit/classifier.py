@@ -137,7 +137,6 @@ class ExitClassifier(nn.Module):
         size = config.draft_vocab_size or 0
         self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
         self.to(device=base.device, dtype=base.dtype)
-        self._draft_weight: torch.Tensor | None = None
 
     @property
     def exit_layer(self) -> int:
@@ -162,7 +161,7 @@ class ExitClassifier(nn.Module):
         if token_ids.unique().numel() != token_ids.numel():
             raise ValueError("draft vocabulary: token ids repeat")
         self.draft_vocab.copy_(token_ids)
-        self._draft_weight = None
+        self.__dict__.pop("_draft_linear", None)  # gathered again from the new rows
 
     def features(self, hidden: torch.Tensor, model, **context) -> torch.Tensor:
         """``[..., hidden]`` after adapter and norm: what the LM head reads.
@@ -198,7 +197,7 @@ class ExitClassifier(nn.Module):
         kernels (``selfspec.runtime.kernels.set_module_backend``)."""
         head = model.get_output_embeddings()
         linear = self.__dict__.get("_draft_linear")
-        if linear is None or linear.weight.device != head.weight.device or self._draft_weight is None:
+        if linear is None or linear.weight.device != head.weight.device:
             bias = getattr(head, "bias", None)
             rows = head.weight.detach()[self.draft_vocab]
             linear = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device=rows.device, dtype=rows.dtype)
@@ -208,7 +207,6 @@ class ExitClassifier(nn.Module):
                     linear.bias.copy_(bias.detach()[self.draft_vocab])
             linear.requires_grad_(False)
             self.__dict__["_draft_linear"] = linear  # not a submodule: never saved, never trained
-            self._draft_weight = linear.weight.detach()  # a plain tensor (a Parameter would register)
         return linear
 
     def linear_layers(self, model) -> list[nn.Linear]:

@@ -21,7 +21,7 @@ from decoding.tree import DraftTree
 from early_exit.adapter import AdapterCache
 from early_exit.layer_skip import check_skip_layers
 from early_exit.layers import additive_mask, crop_layers, run_layers
-from selfspec.runtime.kernels import linear_backend_of, set_module_backend
+from selfspec.runtime.kernels import follow_backend
 from selfspec.runtime.layers import num_decoder_layers
 
 # hidden [1, q, hidden] -> (logits [1, q, v], column -> token id map [v] or None for the identity)
@@ -163,11 +163,8 @@ class EarlyExitDrafter(PartialForwardDrafter):
         super().__init__(model, range(classifier.exit_layer), lambda h: classifier.draft_logits(h, model), policy)
 
     def begin(self, state: DecodeState) -> None:
-        backend = linear_backend_of(self.model)
-        if backend != self._backend:  # draft on the kernels the base model was given (selfspec.runtime.kernels)
-            for layer in self.classifier.linear_layers(self.model):
-                set_module_backend(layer, backend)
-            self._backend = backend
+        # Draft on the kernels the base model was given (selfspec.runtime.kernels).
+        self._backend = follow_backend(self.model, lambda: self.classifier.linear_layers(self.model), self._backend)
         super().begin(state)
 
     def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:

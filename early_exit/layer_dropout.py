@@ -59,7 +59,9 @@ class LayerDropout:
         self.rates = list(rates)
         self.seed, self.process_index, self.step = seed, process_index, 0
         self.dropped = [0] * len(layers)  # rows skipped per layer, for tests and logs
-        self._calls = 0  # forward calls of layer 0 within the step (micro-batches): each draws anew
+        self._calls = 0  # forward calls within the step (micro-batches): each draws anew
+        # The first hooked layer counts the calls (it runs first in every forward).
+        self._first = next((i for i, rate in enumerate(self.rates) if rate > 0), None)
         self._handles = [layer.register_forward_hook(self._hook(i), with_kwargs=True)
                          for i, (layer, rate) in enumerate(zip(layers, self.rates)) if rate > 0]
 
@@ -75,7 +77,7 @@ class LayerDropout:
         def hook(module, args, kwargs, output):
             if not module.training:
                 return None
-            if index == min(i for i, r in enumerate(self.rates) if r > 0):
+            if index == self._first:
                 self._calls += 1
             hidden = args[0] if args else kwargs["hidden_states"]
             out = output[0] if isinstance(output, tuple) else output

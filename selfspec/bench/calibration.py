@@ -29,7 +29,7 @@ from medusa.heads import MedusaHeads
 from medusa.trees import default_tree, expected_accept_length
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.replay import replay
-from selfspec.bench.runner import Prompt, mean_tau, run_benchmark
+from selfspec.bench.runner import Prompt, mean_tau, run_benchmark, tokens_per_s
 from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop
 from selfspec.runtime.io import CONFIG_NAME
@@ -343,12 +343,11 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
     for i, method in enumerate(methods):
         method.name = f"policy-{i}"
     run = run_benchmark(model, prompts, methods, settings, progress=False)
-    plain = run.generations["vanilla"]
-    plain_speed = sum(len(g.tokens) for g in plain) / sum(g.seconds for g in plain)
+    plain_speed = tokens_per_s(run.generations["vanilla"])
     rows = []
     for i, options in enumerate(grid):
         gens = run.generations[f"policy-{i}"]
-        speed = sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+        speed = tokens_per_s(gens)
         steps = sum(g.steps or 0 for g in gens)
         row = PolicyResult(dict(options), mean_tau(gens) or 1.0, speed / plain_speed, speed,
                            1e3 * sum(g.phases.get("draft", 0.0) for g in gens) / max(steps, 1))

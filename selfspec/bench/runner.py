@@ -160,11 +160,11 @@ def lossless_check(model: Any, run: BenchRun, method: str, *, near_tie: float = 
 def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
     """The ``methods`` part of results.json: per method tokens/s (total new tokens / total seconds), tau, speedup
     over vanilla, time per phase and the lossless check (only for greedy decoding, where outputs must be equal)."""
-    ref_speed = _tokens_per_s(run.generations[REFERENCE])
+    ref_speed = tokens_per_s(run.generations[REFERENCE])
     gaps: dict[int, torch.Tensor] = {}
     out = {}
     for name, gens in run.generations.items():
-        speed = _tokens_per_s(gens)
+        speed = tokens_per_s(gens)
         seconds = sum(g.seconds for g in gens)
         phases: dict[str, float] = {}
         for g in gens:
@@ -205,7 +205,7 @@ def _ratio(gens: Sequence[Generation], field_name: str, other, *, invert: bool =
     return scale * num / den if den else None
 
 
-def _tokens_per_s(gens: Sequence[Generation]) -> float:
+def tokens_per_s(gens: Sequence[Generation]) -> float:
     seconds = sum(g.seconds for g in gens)
     return sum(len(g.tokens) for g in gens) / seconds if seconds > 0 else 0.0
 

@@ -10,7 +10,7 @@ from decoding.drafter import SamplingParams
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.report import markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
-from selfspec.cli.checks import positive_int, probability, temperature
+from selfspec.cli.checks import positive_int, positive_ints, probability, temperature
 from selfspec.runtime.kernels import BACKENDS, set_linear_backend
 from selfspec.runtime.models import is_test_model, load_model
 
@@ -56,20 +56,10 @@ def register(subparsers) -> None:
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's untimed warm-up")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=None,
+    p.add_argument("--batch-sizes", type=positive_ints("--batch-sizes", "batch sizes"), default=None,
                    help="benchmark batched decoding instead, e.g. 1,4,16: vanilla (HF generate, left-padded) and "
                         "drafter methods per batch size, each row checked against its batch-1 answer")
     p.set_defaults(func=run)
-
-
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch-sizes takes comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--batch-sizes takes batch sizes >= 1, got {text!r}")
-    return sizes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,3 +39,16 @@ def probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 keeps every token), got {value:g}")
     return value
+
+
+def positive_ints(option: str, what: str):
+    """An argument type for ``option``: comma-separated integers >= 1 (``what`` names them in the message)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} takes comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{option} takes {what} >= 1, got {text!r}")
+        return values
+    return parse

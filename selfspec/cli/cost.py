@@ -14,18 +14,13 @@ import torch
 
 from selfspec.bench.cost import cost_curves, cpu_model
 from selfspec.cli.bench import add_backend_argument
+from selfspec.cli.checks import positive_ints
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import load_model
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--tokens takes token counts >= 1, got {text!r}")
-    return sorted(set(sizes) | {1})
+    return sorted(set(positive_ints("--tokens", "token counts")(text)) | {1})
 
 
 def register(subparsers) -> None:

@@ -63,6 +63,16 @@ class BufferedLayer(DynamicLayer):
         super().reset()
         self._key_buffer = self._value_buffer = None
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only batch rows ``index`` (in that order), buffers included."""
+        length = self.keys.shape[-2]
+        if self._key_buffer is None:
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            return
+        self._key_buffer = self._key_buffer.index_select(0, index)
+        self._value_buffer = self._value_buffer.index_select(0, index)
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
 
 def new_cache(model, capacity: int = 0) -> DynamicCache:
     """A ``DynamicCache`` for ``model`` whose full-attention layers are ``BufferedLayer`` (sliding-window and other
@@ -136,3 +146,27 @@ def crop(cache, length: int, layers: range | None = None) -> None:
         layer.values = layer.values[:, :, :length]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = min(layer.cumulative_length, length)
+
+
+def select_rows(cache, rows: list[int]) -> None:
+    """Keep only batch rows ``rows`` (in that order) of every layer (rows that finished leave a batch)."""
+    for layer in _layers(cache):
+        index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
+        if isinstance(layer, BufferedLayer):
+            layer.select_rows(index)
+        else:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
+
+def move_entries(cache, moves: list[tuple[int, int, int]]) -> None:
+    """Copy, in every layer, the entry at slot ``src`` of batch row ``row`` to slot ``dst`` (``(row, src, dst)``
+    triples): the per-row form of :func:`keep_accepted`, for a batch whose rows keep different paths."""
+    if not moves:
+        return
+    rows, src, dst = (torch.tensor(col, dtype=torch.long) for col in zip(*moves))
+    for layer in _layers(cache):
+        device = layer.keys.device
+        r, s, d = rows.to(device), src.to(device), dst.to(device)
+        for tensor in (layer.keys, layer.values):
+            view = tensor.transpose(1, 2)  # [batch, slots, heads, dim], sharing storage
+            view[r, d] = view[r, s]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +187,16 @@ def set_module_backend(module: nn.Linear, backend: str) -> None:
         # One kernel object per layer and backend, kept: switching back and forth does not repack.
         kernels = module.__dict__.setdefault(_KERNEL_CACHE, {})
         module.forward = kernels.setdefault(backend, _KERNELS[backend](module))
+
+
+def follow_backend(model: nn.Module, layers: Callable[[], Iterable[nn.Linear]], current: str) -> str:
+    """Put a drafter's own linear ``layers()`` on the backend ``model`` runs on, when it differs from ``current``
+    (what they were last put on); returns the model's backend, the new ``current``."""
+    backend = linear_backend_of(model)
+    if backend != current:
+        for layer in layers():
+            set_module_backend(layer, backend)
+    return backend
 
 
 @contextlib.contextmanager

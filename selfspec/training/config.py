@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import math
+import types
 import typing
 from pathlib import Path
 
@@ -47,9 +48,12 @@ def _build(cls, data: dict, where: str):
         raise ValueError(f"invalid config{' section ' + where if where else ''}: {e}") from None
 
 
+_UNIONS = (typing.Union, types.UnionType)  # Optional[X] and X | None
+
+
 def _describe(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         return " or ".join("null" if a is type(None) else _describe(a) for a in args)
     if origin is list:
         return f"a list of {_describe(args[0])}" if args else "a list"
@@ -66,7 +70,7 @@ def _checked(value, tp, key: str):
         origin, args = typing.get_origin(t), typing.get_args(t)
         if t is typing.Any or t is object:
             return v
-        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if origin in _UNIONS:
             for option in args:
                 if option is type(None):
                     if v is None:
