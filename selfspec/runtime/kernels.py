@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.runtime import skinny
+from selfspec.runtime.attention import use_gqa_sdpa
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
 _STATE = "_selfspec_linear_backend"
@@ -172,6 +173,9 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     for module in model.modules():
         if isinstance(module, nn.Linear):
             set_module_backend(module, backend)
+    # The kernels of a backend include its attention: grouped-query SDPA for masked forwards (attention.GQA_SDPA);
+    # "stock" is PyTorch and transformers as shipped.
+    use_gqa_sdpa(model, enabled=backend != "stock")
     setattr(model, _STATE, backend)
     return backend
 
@@ -241,7 +245,9 @@ def _choice_key(model: nn.Module, sizes: tuple[int, ...]) -> str:
     from selfspec.runtime.identity import base_model_identity
 
     identity = base_model_identity(model)
-    text = json.dumps({**cpu_signature(), "model": identity.get("fingerprint"), "sizes": list(sizes)}, sort_keys=True)
+    # The skinny kernel's build (source and flags) is part of the key: a rebuilt kernel is measured again.
+    text = json.dumps({**cpu_signature(), "model": identity.get("fingerprint"), "sizes": list(sizes),
+                       "skinny": skinny.build_key()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -23,6 +23,10 @@ from selfspec.runtime.io import cache_home
 
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
+# ``at::parallel_for`` is a header template: it runs the kernel on PyTorch's OpenMP threads only when *this* file is
+# compiled with OpenMP; without the flag every call ran on one core (half the machine, on a 2-core VM). The symbols
+# resolve to the libgomp PyTorch itself loaded, so the kernel shares its thread pool and ``torch.set_num_threads``.
+OPENMP_CFLAGS = ("-fopenmp",)
 #: Above this many rows a call goes to PyTorch's own GEMM, which is good at large shapes (prefill, training).
 MAX_ROWS = 24
 
@@ -41,10 +45,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cflags() -> tuple[str, ...]:
+    """The compiler flags of this build: OpenMP where PyTorch's own parallel backend is OpenMP (Linux wheels)."""
+    uses_openmp = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
+    return CFLAGS + (OPENMP_CFLAGS if uses_openmp else ())
+
+
 def build_key() -> str:
     """What the compiled module depends on, hashed: source, flags, PyTorch, Python and the CPU's features."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(cflags()).encode(), torch.__version__.encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -67,7 +77,7 @@ def _build():
     except ImportError:
         pass  # a system ninja may still be on PATH; cpp_extension says so if not
     try:
-        return cpp_extension.load(name="selfspec_skinny_linear", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        return cpp_extension.load(name="selfspec_skinny_linear", sources=[str(SOURCE)], extra_cflags=list(cflags()),
                                   build_directory=str(directory), verbose=False)
     finally:
         os.environ["PATH"] = path

@@ -34,6 +34,22 @@ def test_kernel_equals_f_linear(built, rows, out_features, in_features):
     torch.testing.assert_close(skinny.linear(x, packed, out_features, None), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_runs_on_torch_threads_and_splits_outputs_exactly(built, threads):
+    """The kernel's parallel loop is compiled into the extension: built without OpenMP it silently ran on one core.
+    Every thread count must split the output panels without a gap or an overlap."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert built.parallel_threads() == threads
+        gen = torch.Generator().manual_seed(threads)
+        weight, x = torch.randn(1000, 96, generator=gen), torch.randn(11, 96, generator=gen)
+        torch.testing.assert_close(skinny.linear(x, skinny.pack(weight), 1000, None), x @ weight.T, rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_kernel_takes_strided_rows_and_rejects_what_does_not_fit(built):
     weight = torch.randn(48, 20)
     x = torch.randn(20, 6).T  # [6, 20], not contiguous

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 namespace {
 
@@ -101,6 +103,19 @@ void panels(const float* x, int64_t n, int64_t K, const float* packed, float* ou
 
 int64_t lanes() { return kLanes; }
 
+// How many threads a parallel region of this module really runs on: at::parallel_for is compiled into this file, so
+// without OpenMP at build time it silently runs serially, whatever torch.set_num_threads says.
+int64_t parallel_threads() {
+  std::atomic<int64_t> seen{0};
+  const int64_t slots = 64;
+  std::vector<std::atomic<int>> used(slots);
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    const int64_t id = at::get_thread_num();
+    if (id < slots && used[id].exchange(1) == 0) seen.fetch_add(1);
+  });
+  return seen.load();
+}
+
 torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
               "skinny_linear.pack: expected a 2-D float32 CPU weight, got ", weight.sizes(), " ", weight.dtype());
@@ -153,6 +168,7 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "floats per panel (the vector width the kernel was built for)");
+  m.def("parallel_threads", &parallel_threads, "threads a parallel region of this module runs on");
   m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes]");
   m.def("linear", &linear, "rows [n, K] x packed panels -> [n, out_features] (+ bias)");
 }
