@@ -35,8 +35,10 @@ constexpr int kPanels = 2;
 typedef float vec __attribute__((vector_size(kLanes * 4), aligned(kLanes * 4)));
 typedef float vec_unaligned __attribute__((vector_size(kLanes * 4), aligned(4)));
 
-// One tile: rows [0, R) of x against panels [panel, panel + C), written to out (row stride M).
-template <int R, int C>
+// One tile: rows [0, R) of x against panels [panel, panel + C), written to out (row stride M). With Prefetch, each
+// step also requests the matching line of the next C panels (the next tile's streams, contiguous after these), so
+// the next tile's weights arrive while this one computes.
+template <int R, int C, bool Prefetch>
 inline void tile(const float* __restrict x, int64_t K, const float* __restrict packed, int64_t panel,
                  float* __restrict out, int64_t M, const float* __restrict bias) {
   vec acc[R][C];
@@ -47,6 +49,8 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
   for (int64_t k = 0; k < K; ++k) {
     vec w[C];
     for (int c = 0; c < C; ++c) w[c] = *reinterpret_cast<const vec*>(streams[c] + k * kLanes);
+    if (Prefetch && (k & (64 / (kLanes * 4) - 1)) == 0)  // one request per 64-byte line
+      for (int c = 0; c < C; ++c) __builtin_prefetch(streams[c] + C * K * kLanes + k * kLanes, 0, 3);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
       for (int c = 0; c < C; ++c) acc[r][c] += xv * w[c];
@@ -70,33 +74,46 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
 }
 
 // All n rows against panels [panel, panel + C): full row blocks, then the remainder, while the panels are in cache.
-template <int C>
+template <int C, bool Prefetch>
 void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
           const float* bias) {
   int64_t r = 0;
-  for (; r + kMaxRows <= n; r += kMaxRows) tile<kMaxRows, C>(x + r * K, K, packed, panel, out + r * M, M, bias);
+  for (; r + kMaxRows <= n; r += kMaxRows)
+    tile<kMaxRows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias);
   const float* xr = x + r * K;
   float* o = out + r * M;
   switch (n - r) {
-    case 1: tile<1, C>(xr, K, packed, panel, o, M, bias); break;
-    case 2: tile<2, C>(xr, K, packed, panel, o, M, bias); break;
-    case 3: tile<3, C>(xr, K, packed, panel, o, M, bias); break;
-    case 4: tile<4, C>(xr, K, packed, panel, o, M, bias); break;
-    case 5: tile<5, C>(xr, K, packed, panel, o, M, bias); break;
+    case 1: tile<1, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
+    case 2: tile<2, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
+    case 3: tile<3, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
+    case 4: tile<4, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
+    case 5: tile<5, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
 #ifdef __AVX512F__
-    case 6: tile<6, C>(xr, K, packed, panel, o, M, bias); break;
-    case 7: tile<7, C>(xr, K, packed, panel, o, M, bias); break;
+    case 6: tile<6, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
+    case 7: tile<7, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
 #endif
     default: break;
   }
 }
 
+// Software prefetch pays from this many rows on: below, a tile is bound by memory and the hardware prefetcher
+// keeps up (the extra requests cost ~10% at 2 rows); above, a tile computes long enough for the next one's weights to
+// arrive meanwhile (8 rows: 21 -> 18 ms for SmolLM2's linears on a 2-core AVX2 EPYC; 16 rows: 32.5 -> 28).
+constexpr int64_t kPrefetchRows = 5;
+
+template <int C, bool Prefetch>
+void panels_of(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
+               int64_t begin, int64_t end) {
+  int64_t p = begin;
+  for (; p + C <= end; p += C) rows<C, Prefetch>(x, n, K, packed, p, out, M, bias);
+  for (; p < end; ++p) rows<1, Prefetch>(x, n, K, packed, p, out, M, bias);
+}
+
 template <int C>
 void panels(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
             int64_t begin, int64_t end) {
-  int64_t p = begin;
-  for (; p + C <= end; p += C) rows<C>(x, n, K, packed, p, out, M, bias);
-  for (; p < end; ++p) rows<1>(x, n, K, packed, p, out, M, bias);
+  if (n >= kPrefetchRows) panels_of<C, true>(x, n, K, packed, out, M, bias, begin, end);
+  else panels_of<C, false>(x, n, K, packed, out, M, bias, begin, end);
 }
 
 }  // namespace
