@@ -371,3 +371,22 @@ def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any],
     classifier.save_pretrained(heads_dir, model, base_identity=dict(config.base_model), backbone_adapter=adapter,
                                calibration=report)
     return heads_dir / CONFIG_NAME
+
+
+def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
+    """Make ``options`` the feature drafter's default drafting (``decoding`` in config.json), with ``report`` in
+    calibration.json, rewriting the directory atomically through the drafter's own ``save_pretrained`` in the dtype
+    its weights are stored in (a float16 drafter stays float16, bit for bit)."""
+    from safetensors import safe_open
+
+    from eagle.model import from_pretrained, save_pretrained
+    from selfspec.runtime.io import WEIGHTS_NAME
+
+    heads_dir = Path(heads_dir)
+    draft = from_pretrained(heads_dir, model)
+    with safe_open(str(heads_dir / WEIGHTS_NAME), framework="pt") as f:
+        floats = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64", "I32", "BOOL"}
+    dtype = torch.float16 if floats == {"F16"} else None
+    draft.config.decoding = {**(draft.config.decoding or {}), **options}
+    save_pretrained(draft, heads_dir, calibration=report, dtype=dtype)
+    return heads_dir / CONFIG_NAME

@@ -14,7 +14,10 @@ most predicted tokens per second.
 An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo exit) drafts with the base model's own
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
-saved as the classifier's default ``policy``. Calibrate on prompts a benchmark will not report on (MT-bench 1-40).
+saved as the classifier's default ``policy``. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way
+(its tree's depth, node budget, children per node and width; saved as its default ``decoding``): its draft cost
+depends on the tree and on this machine's kernels as much as its acceptance does. Calibrate on prompts a benchmark
+will not report on (MT-bench 1-40).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from selfspec.bench.calibration import (
     measure_tau,
     parse_grid,
     report_dict,
+    save_eagle_policy,
     save_exit_policy,
     save_setting,
     save_tree,
@@ -50,6 +54,10 @@ from selfspec.training.data import BUILTIN_PROMPTS
 
 #: early-exit policies tried by default: chain length x path-confidence threshold
 EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
+#: feature-drafter (EAGLE) policies tried by default: tree depth x node budget x children per expanded node
+EAGLE_GRID = "depth=4,5 nodes=3,4,6,8 top_k=2,4"
+#: what a decode-based search tunes, per drafter kind: (grid, what the drafter is called in messages)
+DECODE_SEARCH = {"early-exit": (EXIT_GRID, "early-exit classifier"), "eagle": (EAGLE_GRID, "feature drafter")}
 
 
 def _ints(text: str) -> list[int]:
@@ -78,8 +86,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per calibration prompt")
     p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
-    p.add_argument("--grid", default=EXIT_GRID,
-                   help=f"early-exit classifiers: draft policies to decode, NAME=V1,V2 items (default {EXIT_GRID!r})")
+    p.add_argument("--grid", default=None,
+                   help="early-exit classifiers and feature drafters: draft policies to decode, NAME=V1,V2 items "
+                        f"(default {EXIT_GRID!r} for an exit classifier, {EAGLE_GRID!r} for a feature drafter)")
     p.set_defaults(func=run)
 
 
@@ -93,9 +102,10 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    if heads_kind(args.heads) == "early-exit":
-        grid = parse_grid(args.grid)  # a malformed grid fails before the model loads
-        return _run_policy_search(args, grid)
+    kind = heads_kind(args.heads)
+    if kind in DECODE_SEARCH:
+        grid = parse_grid(args.grid or DECODE_SEARCH[kind][0])  # a malformed grid fails before the model loads
+        return _run_policy_search(args, grid, kind)
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
     if config.base_model:  # before any continuation is generated: heads for another model are refused at once
@@ -166,23 +176,34 @@ def heads_kind(heads: str) -> str | None:
     from pathlib import Path
 
     try:
-        return json.loads((Path(heads) / "config.json").read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
+        config = json.loads((Path(heads) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    if not isinstance(config, dict):
+        return None
+    if str(config.get("format", "")).startswith("selfspec-eagle"):
+        return "eagle"
+    return config.get("kind")
 
 
-def _run_policy_search(args, grid: list[dict]) -> int:
-    from early_exit.classifier import ExitClassifier
-
+def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     model, tokenizer = load_model(args.model)
-    ExitClassifier.from_pretrained(args.heads, model)  # refuses a classifier for another model before any decoding
+    # loading refuses heads trained for another model before any decoding
+    if kind == "eagle":
+        from eagle.model import from_pretrained
+
+        from_pretrained(args.heads, model)
+    else:
+        from early_exit.classifier import ExitClassifier
+
+        ExitClassifier.from_pretrained(args.heads, model)
     backend = apply_backend(model, args)
     prompts = _calibration_prompts(args, model, tokenizer)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
-    print(f"calibration: {len(grid)} early-exit policies beside plain decoding, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens", flush=True)
+    print(f"calibration: {len(grid)} {DECODE_SEARCH[kind][1]} policies beside plain decoding, {len(prompts)} prompts"
+          f" x {args.max_new_tokens} tokens", flush=True)
     print("policy | tau | speedup | draft ms/step")
-    best, rows = search_policies(model, "early-exit", args.heads, grid, prompts, settings,
+    best, rows = search_policies(model, kind, args.heads, grid, prompts, settings,
                                  progress=lambda r: print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | "
                                                           f"{r.draft_ms_per_step:6.2f}", flush=True))
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
@@ -194,6 +215,7 @@ def _run_policy_search(args, grid: list[dict]) -> int:
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
                   "cpu": cpu_model(), "prompts": args.prompts or "builtin", "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
-        path = save_exit_policy(model, args.heads, best.options, report)
+        save = save_eagle_policy if kind == "eagle" else save_exit_policy
+        path = save(model, args.heads, best.options, report)
         print(f"saved policy {best.label} into {path} (details in calibration.json)")
     return 0

@@ -223,3 +223,37 @@ def test_calibrate_early_exit_bad_grid_is_refused_before_loading(tmp_path, capsy
     assert rc == 2
     err = capsys.readouterr().err
     assert "--grid item 'depth'" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- feature drafters: the same search by decoding
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, dtype):
+    from safetensors import safe_open
+
+    from eagle.model import from_pretrained, save_pretrained
+    from selfspec.runtime.io import verify_directory
+    from selfspec.testing import eagle_draft
+
+    model, _ = load_model("tiny:llama")
+    draft = eagle_draft(model, draft_vocab_size=64)
+    draft.config.decoding = {"depth": 2, "nodes": 2, "top_k": 2, "width": 2}
+    heads = save_pretrained(draft, tmp_path / "eagle", dtype=dtype)
+    before = from_pretrained(heads, model).state_dict()
+    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+               "--max-new-tokens", "8", "--grid", "depth=1,3 nodes=2,5", "--linear-backend", "stock"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "4 feature drafter policies" in out
+    report = json.loads((heads / "calibration.json").read_text())
+    assert report["mode"] == "decode" and len(report["candidates"]) == 4
+    best = max(report["candidates"], key=lambda c: c["tokens_per_s"])
+    assert report["chosen"] == best["policy"]
+    verify_directory(heads)
+    config = json.loads((heads / "config.json").read_text())
+    assert config["decoding"] == {"depth": best["policy"]["depth"], "nodes": best["policy"]["nodes"], "top_k": 2,
+                                  "width": 2}  # searched options replaced, the others kept
+    after = from_pretrained(heads, model).state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the weights survive the rewrite unchanged
+    with safe_open(str(heads / "model.safetensors"), framework="pt") as f:
+        stored = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"}  # the draft vocabulary's ids
+    assert stored == ({"F16"} if dtype == torch.float16 else {"F32"})  # stored as they were
