@@ -58,6 +58,13 @@ def is_complete(directory: str | os.PathLike, *, check_sizes: bool = False) -> b
     return True
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it: there is no read-only call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` so that readers see the old content or the new, never a partial file.
 
@@ -67,6 +74,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{_TMP_INFIX}")
     try:
+        # mkstemp creates 0600; the file gets the mode a plain open() would give it (0666 less the umask)
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -123,4 +123,5 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``rows [n, in] @ weight.T + bias`` from the packed weight; ``n`` should be at most ``MAX_ROWS``."""
-    return extension().linear(rows, packed, out_features, None if bias is None else bias.detach())
+    module = _module if _module is not None else extension()  # built: no lock on the decode path
+    return module.linear(rows, packed, out_features, bias)  # the C++ side reads the data only: no autograd

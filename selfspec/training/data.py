@@ -281,7 +281,7 @@ def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_toke
         cache = new_cache(model, capacity=width + max_new_tokens)
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
-                             past_key_values=cache, **sampling)
+                             cache=cache, **sampling)
         for row, i in enumerate(chunk):
             new = out[row, width:].tolist()
             cut = next((j for j, t in enumerate(new) if t in stops), len(new))

@@ -123,6 +123,18 @@ def test_atomic_write_text_and_bytes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
 
 
+def test_atomic_write_gives_the_mode_a_plain_open_gives(tmp_path):
+    """mkstemp's temporaries are 0600: a saved drafter must not end up unreadable to the group and others."""
+    mask = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "weights.bin", b"x")
+        (tmp_path / "plain.bin").write_bytes(b"x")
+        assert (tmp_path / "weights.bin").stat().st_mode & 0o777 == (tmp_path / "plain.bin").stat().st_mode & 0o777
+        assert (tmp_path / "weights.bin").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
+
+
 def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
     path = tmp_path / "f"
     atomic_write_text(path, "old")
