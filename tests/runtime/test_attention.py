@@ -27,7 +27,7 @@ def _tree_forward(model, prefix_ids, tree):
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma", "phi3"])
 def test_tree_forward_equals_sdpa_without_copying_heads(arch, monkeypatch):
     model = tiny_model(arch, dtype=torch.float32)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads
