@@ -8,12 +8,16 @@ these shapes, so the backend decides whether a 4-node tree costs 1.5x or 1.1x on
 
 ``set_linear_backend(model, "onednn")`` makes every float32 ``nn.Linear`` of ``model`` run through oneDNN
 (``torch._C._nn.mkldnn_linear``) when gradients are off; training, other dtypes and other devices keep the stock
-path. ``"skinny"`` runs them through this project's own kernel (``selfspec.runtime.skinny``, compiled for the CPU on first
-use): register-blocked for 1 to 24 rows, it streams each weight once per call and keeps every loaded weight vector
-busy for all rows, so a step of 8 tokens costs about what one token does. Calls with more rows (prefill) take the
-stock path. The parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each
-layer keeps a packed copy of its weight, repacked when the parameter changes. ``"auto"`` times a short forward
-on each available backend and keeps the fastest.
+path. ``"skinny"`` runs them through this project's own kernel (``selfspec.runtime.skinny``, compiled for the CPU on
+first use): register-blocked for 1 to 24 rows, it streams each weight once per call and keeps every loaded weight
+vector busy for all rows, so a step of 8 tokens costs 1.1-1.4x one token (docs/RESULTS.md has the curve per
+machine; ``selfspec cost`` prints this one's). Calls with more rows (prefill) take the stock path. The parameters
+are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each layer keeps a packed copy of
+its weight, repacked when the parameter changes. ``"auto"`` measures forwards of a plain step and of the tree sizes
+drafters verify (``AUTO_SIZES``) on each available backend, keeps the fastest in total, and remembers the choice per
+CPU, model and kernel build. Every backend but ``stock`` also runs a model's masked grouped-query attention (tree
+verification, padded batches) without copying its KV heads (``selfspec.runtime.attention.GQA_SDPA``); ``stock`` is
+PyTorch and transformers as shipped.
 
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
@@ -159,8 +163,10 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
         backend: ``stock`` (PyTorch's default ``F.linear``), ``onednn``, ``skinny`` (``selfspec.runtime.skinny``), or
             ``auto``: for a float32 CPU model, the one of those available here whose forwards of ``sizes`` tokens
             (default ``AUTO_SIZES``: a plain step and the trees drafters verify) cost least in total, measured
-            once per CPU, model and sizes and cached (``remeasure`` measures again); ``stock`` otherwise. Each layer keeps the packed weights of every backend it has run
-            on (a copy of the weights per backend), so switching back is free.
+            once per CPU, model, sizes and kernel build and cached (``remeasure`` measures again); ``stock``
+            otherwise. Each layer keeps the packed weights of every backend it has run on (a copy of the weights per
+            backend), so switching back is free. Every backend but ``stock`` also switches an ``sdpa`` model to
+            ``attention.GQA_SDPA``.
 
     Raises:
         ValueError: an unknown backend, ``onednn`` where this PyTorch build has no oneDNN, or ``skinny`` where the

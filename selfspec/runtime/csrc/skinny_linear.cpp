@@ -10,6 +10,9 @@
 // Layout: W [M, K] -> P [ceil(M / L)][K][L], L = one vector of floats (16 with AVX-512, 8 otherwise), rows past M
 // zero. Built with -O3 -march=native; GCC's vector extensions keep the code portable across ISAs.
 //
+// Threads: output panels are split over PyTorch's intra-op threads with at::parallel_for, a header template that is
+// compiled into this file: it must be built with OpenMP (selfspec/runtime/skinny.py does), or it runs serially.
+//
 // Rounding: each output is a plain K-ordered sum of products in float32 (no reassociation), so results differ from
 // BLAS only in summation order, the same class of difference as batched against unbatched matmuls.
 
