@@ -134,5 +134,8 @@ def use_gqa_sdpa(model: nn.Module, enabled: bool = True) -> str:
     original = model.__dict__.setdefault(_ORIGINAL, current)
     wanted = GQA_SDPA if enabled and original == "sdpa" else original
     if current != wanted:
-        model.set_attn_implementation(wanted)
+        try:
+            model.set_attn_implementation(wanted)
+        except (ValueError, ImportError, NotImplementedError):  # a model that takes no registered attention
+            return str(current)
     return wanted

@@ -68,3 +68,15 @@ def test_training_takes_transformers_path(monkeypatch):
     mask[1, :2] = 0
     model(input_ids=torch.randint(0, 90, (2, 6)), attention_mask=mask).logits.sum().backward()
     assert copies
+
+
+def test_a_model_that_refuses_registered_attention_keeps_its_own(monkeypatch):
+    model = tiny_model("llama", dtype=torch.float32)
+
+    def refuse(name, *a, **k):
+        raise ValueError(f"{name} is not supported by this model")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    assert use_gqa_sdpa(model) == "sdpa"
+    assert set_linear_backend(model, "onednn") == "onednn"  # the kernels still apply
+    assert model.config._attn_implementation == "sdpa"
