@@ -57,3 +57,37 @@ def cost_curves(model: Any, sizes: Sequence[int], backends: Sequence[str] = ("st
                             seconds[backend][n].append(time.perf_counter() - start)
                         kv.crop(cache, prefix)  # back to the prefix: every forward sees the same context
     return {b: {n: statistics.median(t) * 1e3 for n, t in per_size.items()} for b, per_size in seconds.items()}
+
+
+@torch.inference_mode()
+def machine_limits(buffer_mb: int = 512, repeats: int = 3) -> dict[str, float]:
+    """What this CPU can do at best with the current torch threads: ``read_gb_s``, the rate a large float32 buffer
+    is read (a sum over ``buffer_mb`` MB, larger than any cache), and ``gflops``, a large square float32 GEMM's
+    rate (PyTorch's BLAS near its peak). Best of ``repeats``; about a second."""
+    data = torch.ones(buffer_mb * 2**20 // 4)
+    data.sum()  # fault the pages in
+    read = min(_timed(data.sum) for _ in range(repeats))
+    del data
+    a, b = torch.randn(1024, 1152), torch.randn(1152, 1536)
+    a @ b
+    gemm = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return {"read_gb_s": buffer_mb * 2**20 / read / 1e9, "gflops": 2 * 1024 * 1152 * 1536 / gemm / 1e9}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linear_floor_ms(model: Any, tokens: int, limits: dict[str, float]) -> float:
+    """The least time ``tokens`` rows can take through ``model``'s linear layers (its LM head included) on a machine
+    of ``limits``: the longer of reading every weight once and doing the multiply-adds at the GEMM rate. The rest of a
+    forward (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside the measured curve."""
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    if head is not None and not isinstance(head, torch.nn.Linear):
+        weights += head.weight.numel()
+    read_ms = weights * 4 / (limits["read_gb_s"] * 1e9) * 1e3
+    compute_ms = 2 * weights * tokens / (limits["gflops"] * 1e9) * 1e3
+    return max(read_ms, compute_ms)

@@ -1,8 +1,11 @@
 """``selfspec cost``: the forward cost curve of this machine, for the linear backend in effect and for stock PyTorch.
 
 Prints, per token count, the median forward ms over 256 cached tokens and its ratio to the 1-token forward (what a
-tree of that many nodes costs against a plain step); ``--json`` prints one object
-``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..}, "stock_ms": {"1": ..}}``.
+tree of that many nodes costs against a plain step), and the floor of the linear layers on this machine: the longer
+of reading every weight once and doing their multiply-adds at the rate of a large GEMM (both measured first). Where
+the floor itself rises with the tokens, the linears are compute-bound and no kernel makes that tree cost what one
+token costs. ``--json`` prints one object ``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..},
+"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops"}``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 
 import torch
 
-from selfspec.bench.cost import cost_curves, cpu_model
+from selfspec.bench.cost import cost_curves, cpu_model, linear_floor_ms, machine_limits
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_ints
 from selfspec.runtime.kernels import set_linear_backend
@@ -45,19 +48,28 @@ def run(args: argparse.Namespace) -> int:
     chosen = set_linear_backend(model, args.linear_backend)
     backends = [chosen] if chosen == "stock" else [chosen, "stock"]
     curves = cost_curves(model, args.tokens, backends, prefix=args.prefix, repeats=args.repeats)
+    limits = machine_limits()
+    floor = {n: linear_floor_ms(model, n, limits) for n in args.tokens}
     result = {"cpu": cpu_model(), "chosen": chosen, "threads": torch.get_num_threads(), "prefix": args.prefix,
               "ms": {str(n): ms for n, ms in curves[chosen].items()},
-              "stock_ms": {str(n): ms for n, ms in curves["stock"].items()}}
+              "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},
+              "floor_ms": {str(n): ms for n, ms in floor.items()},
+              "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"]}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['cpu']}, {result['threads']} threads, {args.prefix} cached tokens; forward ms (ratio to 1 token)")
-    print(f"| tokens | {chosen} (chosen) | stock |" if chosen != "stock" else "| tokens | stock (chosen) |")
-    print("|---:|---:|---:|" if chosen != "stock" else "|---:|---:|")
+    print(f"| tokens | {chosen} (chosen) | stock | linear floor |" if chosen != "stock"
+          else "| tokens | stock (chosen) | linear floor |")
+    print("|---:|---:|---:|---:|" if chosen != "stock" else "|---:|---:|---:|")
     one, stock_one = curves[chosen][1], curves["stock"][1]
     for n in args.tokens:
         cells = [f"{curves[chosen][n]:.1f} ({curves[chosen][n] / one:.2f}x)"]
         if chosen != "stock":
             cells.append(f"{curves['stock'][n]:.1f} ({curves['stock'][n] / stock_one:.2f}x)")
+        cells.append(f"{floor[n]:.1f} ({floor[n] / floor[1]:.2f}x)")
         print(f"| {n} | " + " | ".join(cells) + " |")
+    print(f"linear floor: the longer of reading the linear weights once ({limits['read_gb_s']:.0f} GB/s measured) and "
+          f"their multiply-adds at a large GEMM's rate ({limits['gflops']:.0f} GFLOPS measured); attention, norms and "
+          "dispatch come on top")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from selfspec.bench.cost import cost_curves, cpu_model
 from selfspec.cli import main
@@ -20,6 +21,19 @@ def test_json_has_the_documented_keys(capsys):
     assert result["chosen"] == "onednn"
     assert set(result["ms"]) == set(result["stock_ms"]) == {"1", "2", "4"}  # 1 is always measured
     assert all(ms > 0 for ms in [*result["ms"].values(), *result["stock_ms"].values()])
+    assert set(result["floor_ms"]) == {"1", "2", "4"} and result["read_gb_s"] > 0 and result["gflops"] > 0
+    floors = [result["floor_ms"][n] for n in ("1", "2", "4")]
+    assert 0 < floors[0] <= floors[1] <= floors[2]
+
+
+def test_linear_floor_is_the_longer_of_reading_the_weights_and_computing():
+    from selfspec.bench.cost import linear_floor_ms
+
+    model, _ = load_model("tiny:llama")  # untied LM head: a Linear like the others
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    limits = {"read_gb_s": 1.0, "gflops": 1.0}  # 1 byte/ns, 1 flop/ns
+    assert linear_floor_ms(model, 1, limits) == pytest.approx(4 * weights / 1e6)  # reading fp32 weights: 4 B each
+    assert linear_floor_ms(model, 3, limits) == pytest.approx(6 * weights / 1e6)  # 2 flops per weight per row
 
 
 def test_table_names_the_cpu_and_the_ratios(capsys):
