@@ -32,7 +32,7 @@ from selfspec.bench.replay import replay
 from selfspec.bench.runner import Prompt, mean_tau, run_benchmark, tokens_per_s
 from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop
-from selfspec.runtime.io import CONFIG_NAME
+from selfspec.runtime.io import CONFIG_NAME, stored_float_dtype
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -360,7 +360,8 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
 def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
     """Make ``options`` the early-exit classifier's default draft policy (``policy`` in config.json), with
     ``report`` in calibration.json, rewriting the directory atomically through the classifier's own
-    ``save_pretrained`` (a LayerSkip classifier keeps its backbone adapter and the base it was trained from)."""
+    ``save_pretrained`` (a LayerSkip classifier keeps its backbone adapter and the base it was trained from), in
+    the dtype its weights are stored in (a float16 classifier stays float16)."""
     from early_exit.classifier import ExitClassifier
 
     heads_dir = Path(heads_dir)
@@ -369,7 +370,7 @@ def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any],
     config.policy = {**config.policy, **options}
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
     classifier.save_pretrained(heads_dir, model, base_identity=dict(config.base_model), backbone_adapter=adapter,
-                               calibration=report)
+                               calibration=report, dtype=stored_float_dtype(heads_dir))
     return heads_dir / CONFIG_NAME
 
 
@@ -377,16 +378,10 @@ def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any]
     """Make ``options`` the feature drafter's default drafting (``decoding`` in config.json), with ``report`` in
     calibration.json, rewriting the directory atomically through the drafter's own ``save_pretrained`` in the dtype
     its weights are stored in (a float16 drafter stays float16, bit for bit)."""
-    from safetensors import safe_open
-
     from eagle.model import from_pretrained, save_pretrained
-    from selfspec.runtime.io import WEIGHTS_NAME
 
     heads_dir = Path(heads_dir)
     draft = from_pretrained(heads_dir, model)
-    with safe_open(str(heads_dir / WEIGHTS_NAME), framework="pt") as f:
-        floats = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64", "I32", "BOOL"}
-    dtype = torch.float16 if floats == {"F16"} else None
     draft.config.decoding = {**(draft.config.decoding or {}), **options}
-    save_pretrained(draft, heads_dir, calibration=report, dtype=dtype)
+    save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir))
     return heads_dir / CONFIG_NAME

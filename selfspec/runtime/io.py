@@ -272,6 +272,20 @@ def load_verified_weights(directory: str | os.PathLike, what: str, name: str = W
     return tensors
 
 
+def stored_float_dtype(directory: str | os.PathLike, name: str = WEIGHTS_NAME):
+    """The one floating-point dtype ``directory/name`` stores its weights in (``torch.float16`` for a drafter saved
+    half-size), or None when they are float32 or mixed: what a rewrite (a new calibration) should store them in again
+    so that the file keeps its size and its bits. Reads the header only."""
+    import torch
+    from safetensors import safe_open
+
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+    with safe_open(str(Path(directory) / name), framework="pt") as f:
+        floats = {f.get_slice(k).get_dtype() for k in f.keys()} & set(names)
+    dtype = names[floats.pop()] if len(floats) == 1 else None
+    return None if dtype is torch.float32 else dtype
+
+
 def _fsync_tree(directory: Path) -> None:
     # Without this a crash after the rename could leave the final path with empty or partial files:
     # the rename can reach the disk before the data does.

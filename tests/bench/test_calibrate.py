@@ -172,14 +172,14 @@ def test_replay_calibration_command_saves_the_chosen_setting(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- early-exit classifiers: policy search by decoding
-def _exit_classifier(tmp_path, model):
+def _exit_classifier(tmp_path, model, dtype=None):
     from early_exit import new_classifier
 
     classifier = new_classifier(model, 2, adapter_layers=1, adapter="attention")
     with torch.no_grad():
         classifier.attention.o_proj.weight.normal_(0, 0.2)  # a trained-looking (non-identity) adapter
     classifier.config.policy = {"max_depth": 5}
-    classifier.save_pretrained(tmp_path / "exit", model, notes="made by a test\n")
+    classifier.save_pretrained(tmp_path / "exit", model, notes="made by a test\n", dtype=dtype)
     return tmp_path / "exit", classifier
 
 
@@ -257,3 +257,18 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     with safe_open(str(heads / "model.safetensors"), framework="pt") as f:
         stored = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"}  # the draft vocabulary's ids
     assert stored == ({"F16"} if dtype == torch.float16 else {"F32"})  # stored as they were
+
+
+def test_calibrating_a_float16_exit_classifier_keeps_it_float16(tmp_path):
+    from early_exit import ExitClassifier
+    from selfspec.runtime.io import stored_float_dtype
+
+    model, _ = load_model("tiny:llama")
+    heads, _ = _exit_classifier(tmp_path, model, dtype=torch.float16)
+    assert stored_float_dtype(heads) == torch.float16
+    before = ExitClassifier.from_pretrained(heads, model).state_dict()
+    assert main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
+                 "--max-new-tokens", "4", "--grid", "max_depth=1,2", "--linear-backend", "stock"]) == 0
+    assert stored_float_dtype(heads) == torch.float16  # not doubled to float32 by the rewrite
+    after = ExitClassifier.from_pretrained(heads, model).state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -245,3 +245,19 @@ def test_verify_directory_names_the_damaged_file(tmp_path):
         save_file({"ok": torch.ones(3), "bad": torch.tensor([1.0, float("nan")])}, str(tmp / "model.safetensors"))
     with pytest.raises(DamagedDirectoryError, match="tensor 'bad' of model.safetensors holds NaN"):
         load_verified_weights(tmp_path / "w", "heads")
+
+
+def test_stored_float_dtype_reads_the_header(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from selfspec.runtime.io import stored_float_dtype
+
+    cases = [({"w": torch.zeros(2, dtype=torch.float16), "ids": torch.arange(3)}, torch.float16),
+             ({"w": torch.zeros(2, dtype=torch.bfloat16)}, torch.bfloat16),
+             ({"w": torch.zeros(2), "ids": torch.arange(3)}, None),  # float32: the default, nothing to ask for
+             ({"w": torch.zeros(2), "h": torch.zeros(2, dtype=torch.float16)}, None)]  # mixed: no single dtype to ask for
+    for i, (tensors, expected) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        save_file(tensors, str(tmp_path / str(i) / "model.safetensors"))
+        assert stored_float_dtype(tmp_path / str(i)) == expected
