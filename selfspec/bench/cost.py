@@ -80,14 +80,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def linear_floor_ms(model: Any, tokens: int, limits: dict[str, float]) -> float:
-    """The least time ``tokens`` rows can take through ``model``'s linear layers (its LM head included) on a machine
-    of ``limits``: the longer of reading every weight once and doing the multiply-adds at the GEMM rate. The rest of a
-    forward (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside the measured curve."""
+def linear_floor_ms(model: Any, sizes: Sequence[int], limits: dict[str, float]) -> dict[int, float]:
+    """``{tokens: ms}``: the least time that many rows can take through ``model``'s linear layers (its LM head
+    included) on a machine of ``limits``: the longer of reading every weight once and doing the multiply-adds at the
+    GEMM rate. The rest of a forward (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside
+    the measured curve."""
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    head = model.get_output_embeddings()
-    if head is not None and not isinstance(head, torch.nn.Linear):
-        weights += head.weight.numel()
     read_ms = weights * 4 / (limits["read_gb_s"] * 1e9) * 1e3
-    compute_ms = 2 * weights * tokens / (limits["gflops"] * 1e9) * 1e3
-    return max(read_ms, compute_ms)
+    return {n: max(read_ms, 2 * weights * n / (limits["gflops"] * 1e9) * 1e3) for n in sizes}

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     backends = [chosen] if chosen == "stock" else [chosen, "stock"]
     curves = cost_curves(model, args.tokens, backends, prefix=args.prefix, repeats=args.repeats)
     limits = machine_limits()
-    floor = {n: linear_floor_ms(model, n, limits) for n in args.tokens}
+    floor = linear_floor_ms(model, args.tokens, limits)
     result = {"cpu": cpu_model(), "chosen": chosen, "threads": torch.get_num_threads(), "prefix": args.prefix,
               "ms": {str(n): ms for n, ms in curves[chosen].items()},
               "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},

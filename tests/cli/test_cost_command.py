@@ -32,8 +32,9 @@ def test_linear_floor_is_the_longer_of_reading_the_weights_and_computing():
     model, _ = load_model("tiny:llama")  # untied LM head: a Linear like the others
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     limits = {"read_gb_s": 1.0, "gflops": 1.0}  # 1 byte/ns, 1 flop/ns
-    assert linear_floor_ms(model, 1, limits) == pytest.approx(4 * weights / 1e6)  # reading fp32 weights: 4 B each
-    assert linear_floor_ms(model, 3, limits) == pytest.approx(6 * weights / 1e6)  # 2 flops per weight per row
+    floor = linear_floor_ms(model, [1, 3], limits)
+    assert floor[1] == pytest.approx(4 * weights / 1e6)  # reading fp32 weights: 4 B each
+    assert floor[3] == pytest.approx(6 * weights / 1e6)  # 2 flops per weight per row
 
 
 def test_table_names_the_cpu_and_the_ratios(capsys):
