@@ -26,13 +26,9 @@
 namespace {
 
 #ifdef __AVX512F__
-constexpr int kLanes = 16;
-constexpr int kMaxRows = 8;  // 8 rows x 3 panels = 24 accumulators of 32 registers
-constexpr int kPanels = 3;
+constexpr int kLanes = 16;  // 32 vector registers
 #else
-constexpr int kLanes = 8;
-constexpr int kMaxRows = 6;  // 6 x 2 = 12 accumulators of 16 registers
-constexpr int kPanels = 2;
+constexpr int kLanes = 8;  // 16 vector registers (AVX2; also the generic fallback)
 #endif
 
 typedef float vec __attribute__((vector_size(kLanes * 4), aligned(kLanes * 4)));
@@ -40,7 +36,9 @@ typedef float vec_unaligned __attribute__((vector_size(kLanes * 4), aligned(4)))
 
 // One tile: rows [0, R) of x against panels [panel, panel + C), written to out (row stride M). With Prefetch, each
 // step also requests the matching line of the next C panels (the next tile's streams, contiguous after these), so
-// the next tile's weights arrive while this one computes.
+// the next tile's weights arrive while this one computes. They are requested into L2 (locality 2), not L1: a tile's
+// panels are C x K x 64 bytes (74-110 KB for SmolLM2), more than an L1, and pulling the next tile into L1 evicted the
+// panels the current tile still reads.
 template <int R, int C, bool Prefetch>
 inline void tile(const float* __restrict x, int64_t K, const float* __restrict packed, int64_t panel,
                  float* __restrict out, int64_t M, const float* __restrict bias) {
@@ -53,7 +51,7 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
     vec w[C];
     for (int c = 0; c < C; ++c) w[c] = *reinterpret_cast<const vec*>(streams[c] + k * kLanes);
     if (Prefetch && (k & (64 / (kLanes * 4) - 1)) == 0)  // one request per 64-byte line
-      for (int c = 0; c < C; ++c) __builtin_prefetch(streams[c] + C * K * kLanes + k * kLanes, 0, 3);
+      for (int c = 0; c < C; ++c) __builtin_prefetch(streams[c] + C * K * kLanes + k * kLanes, 0, 2);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
       for (int c = 0; c < C; ++c) acc[r][c] += xv * w[c];
@@ -76,47 +74,66 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
   }
 }
 
-// All n rows against panels [panel, panel + C): full row blocks, then the remainder, while the panels are in cache.
-template <int C, bool Prefetch>
-void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
-          const float* bias) {
-  int64_t r = 0;
-  for (; r + kMaxRows <= n; r += kMaxRows)
-    tile<kMaxRows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias);
-  const float* xr = x + r * K;
-  float* o = out + r * M;
-  switch (n - r) {
-    case 1: tile<1, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-    case 2: tile<2, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-    case 3: tile<3, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-    case 4: tile<4, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-    case 5: tile<5, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-#ifdef __AVX512F__
-    case 6: tile<6, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-    case 7: tile<7, C, Prefetch>(xr, K, packed, panel, o, M, bias); break;
-#endif
-    default: break;
+// A tile of n rows (0 < n <= R) against panels [panel, panel + C), the row count dispatched to its instantiation.
+template <int C, bool Prefetch, int R>
+inline void tile_n(int64_t n, const float* x, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
+                   const float* bias) {
+  if constexpr (R > 0) {
+    if (n == R) tile<R, C, Prefetch>(x, K, packed, panel, out, M, bias);
+    else tile_n<C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias);
   }
 }
 
-// Software prefetch pays from this many rows on: below, a tile is bound by memory and the hardware prefetcher
-// keeps up (the extra requests cost ~10% at 2 rows); above, a tile computes long enough for the next one's weights to
-// arrive meanwhile (8 rows: 21 -> 18 ms for SmolLM2's linears on a 2-core AVX2 EPYC; 16 rows: 32.5 -> 28).
-constexpr int64_t kPrefetchRows = 5;
-
-template <int C, bool Prefetch>
-void panels_of(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
-               int64_t begin, int64_t end) {
-  int64_t p = begin;
-  for (; p + C <= end; p += C) rows<C, Prefetch>(x, n, K, packed, p, out, M, bias);
-  for (; p < end; ++p) rows<1, Prefetch>(x, n, K, packed, p, out, M, bias);
+// All n rows against panels [panel, panel + C): blocks of Rows rows, then the remainder, while the panels are in
+// cache.
+template <int Rows, int C, bool Prefetch>
+void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
+          const float* bias) {
+  int64_t r = 0;
+  for (; r + Rows <= n; r += Rows) tile<Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias);
+  if (n > r) tile_n<C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias);
 }
 
-template <int C>
+// Software prefetch pays from tiles of this many rows on: below, a tile is bound by memory and the hardware
+// prefetcher keeps up (the extra requests cost ~10% at 2 rows); above, a tile computes long enough for the next
+// one's weights to arrive meanwhile (8 rows: 21 -> 18 ms for SmolLM2's linears on a 2-core AVX2 EPYC; 16: 32.5 -> 28).
+constexpr int64_t kPrefetchRows = 5;
+
+// Panels [begin, end) in groups of C (then one by one), each group against all n rows in tiles of Rows rows.
+template <int Rows, int C>
 void panels(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
             int64_t begin, int64_t end) {
-  if (n >= kPrefetchRows) panels_of<C, true>(x, n, K, packed, out, M, bias, begin, end);
-  else panels_of<C, false>(x, n, K, packed, out, M, bias, begin, end);
+  constexpr bool prefetch = Rows >= kPrefetchRows;
+  int64_t p = begin;
+  for (; p + C <= end; p += C) rows<Rows, C, prefetch>(x, n, K, packed, p, out, M, bias);
+  for (; p < end; ++p) rows<Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias);
+}
+
+// The tile shape for n rows. The weights are the traffic: each weight vector loaded is used by every row of its
+// tile, so a tile takes as many of the n rows as the registers allow (R x C accumulators + C weights + 1 broadcast),
+// and every weight is streamed from memory once when n fits one tile; few rows leave registers for more panels
+// (more weight streams in flight). A second row tile over the same panels re-reads them from cache but does not
+// overlap that with the memory stream: on a 2-core Xeon (AVX-512) SmolLM2's linears at 12 rows took 28 ms as
+// 8 + 4 rows x 3 panels and 21 ms as one 12-row x 2-panel tile, at 16 rows 28.6 -> 24.5 ms (16 x 1).
+void dispatch(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
+              int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+  if (n == 1) panels<1, 8>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n == 2) panels<2, 6>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 4) panels<4, 4>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 8) panels<8, 2>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 12) panels<12, 2>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 14) panels<14, 2>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 16) panels<16, 1>(x, n, K, packed, out, M, bias, begin, end);
+  else panels<12, 2>(x, n, K, packed, out, M, bias, begin, end);
+#else
+  if (n == 1) panels<1, 6>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n == 2) panels<2, 4>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 4) panels<4, 3>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 6) panels<6, 2>(x, n, K, packed, out, M, bias, begin, end);
+  else if (n <= 12) panels<12, 1>(x, n, K, packed, out, M, bias, begin, end);
+  else panels<6, 2>(x, n, K, packed, out, M, bias, begin, end);
+#endif
 }
 
 }  // namespace
@@ -169,20 +186,8 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, blocks / (4 * at::get_num_threads()));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    // Few rows leave registers for more panels: more weight streams in flight, each input scalar reused more.
-#ifdef __AVX512F__
-    if (n == 1) panels<8>(xp, n, K, pp, op, M, bp, begin, end);
-    else if (n == 2) panels<6>(xp, n, K, pp, op, M, bp, begin, end);
-    else if (n <= 4) panels<4>(xp, n, K, pp, op, M, bp, begin, end);
-    else panels<kPanels>(xp, n, K, pp, op, M, bp, begin, end);
-#else
-    if (n == 1) panels<6>(xp, n, K, pp, op, M, bp, begin, end);
-    else if (n == 2) panels<4>(xp, n, K, pp, op, M, bp, begin, end);
-    else if (n <= 4) panels<3>(xp, n, K, pp, op, M, bp, begin, end);
-    else panels<kPanels>(xp, n, K, pp, op, M, bp, begin, end);
-#endif
-  });
+  at::parallel_for(0, blocks, grain,
+                   [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, begin, end); });
   return out;
 }
 
