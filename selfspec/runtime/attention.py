@@ -46,11 +46,20 @@ def causal_mask(query_positions: torch.Tensor, key_length: int, padding: torch.T
 
 
 class LayerCache:
-    """Keys and values of one attention layer for the positions seen so far: ``[batch, heads, n, head_dim]``."""
+    """Keys and values of one attention layer for the positions seen so far: ``[batch, heads, n, head_dim]``.
+
+    At decode time (no autograd) ``keys`` / ``values`` are views ``[:, :, :n]`` of buffers that grow by doubling, as
+    the base model's cache is (``selfspec.runtime.cache.BufferedLayer``): an append writes the new entries after the
+    view's end and a crop moves the end, where concatenating copied the whole cache on every draft step (an
+    early-exit adapter's 9-head cache at 500 positions: 2.3 MB per append). Appends that autograd records (training
+    unrolls) concatenate, so no tensor a backward needs is written in place.
+    """
 
     def __init__(self):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -58,12 +67,42 @@ class LayerCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[b, heads, q, head_dim]`` entries; returns every key and value held now."""
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
+        held = self.length
+        recorded = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad or (
+            self.keys is not None and (self.keys.requires_grad or self.values.requires_grad)))
+        if recorded:
+            self._key_buffer = self._value_buffer = None
+            if self.keys is None:
+                self.keys, self.values = keys, values
+            else:
+                self.keys = torch.cat([self.keys, keys], dim=2)
+                self.values = torch.cat([self.values, values], dim=2)
+            return self.keys, self.values
+        end = held + keys.shape[2]
+        self._reserve(end, keys, values)
+        self._key_buffer[:, :, held:end] = keys
+        self._value_buffer[:, :, held:end] = values
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         return self.keys, self.values
+
+    def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Buffers of at least ``needed`` positions shaped for ``keys`` / ``values``, holding what is held now."""
+        buffer = self._key_buffer
+        if buffer is not None and buffer.shape[2] >= needed and buffer.shape[:2] == keys.shape[:2] \
+                and buffer.shape[3] == keys.shape[3] and buffer.dtype == keys.dtype and buffer.device == keys.device \
+                and self._value_buffer.shape[3] == values.shape[3]:
+            return
+        if self.keys is not None and (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[3] != keys.shape[3]):
+            raise RuntimeError(f"attention cache holds entries of shape {tuple(self.keys.shape)}, cannot append "
+                               f"{tuple(keys.shape)}: batch, heads and head size must match")
+        size = max(needed, 64, 2 * buffer.shape[2] if buffer is not None else 0)
+        batch, heads, _, dim = keys.shape
+        key_buffer = keys.new_empty(batch, heads, size, dim)
+        value_buffer = values.new_empty(batch, heads, size, values.shape[3])
+        if self.keys is not None:
+            key_buffer[:, :, :self.length] = self.keys
+            value_buffer[:, :, :self.length] = self.values
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions.
@@ -77,7 +116,7 @@ class LayerCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._key_buffer = self._value_buffer = None
 
 
 # --- The base model's attention on CPU: grouped-query SDPA for masked (tree) forwards ------------------------------
