@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from decoding import generate
-from selfspec.runtime.prompts import encode_prompt, read_prompts
+from selfspec.runtime.prompts import encode_prompt
 from selfspec.testing import OracleDrafter, RandomDrafter
 
-MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
+# Three kinds of request (writing, arithmetic reasoning, code), held here so that the suite needs nothing outside
+# the repository.
+PROMPTS = (
+    "Write a short, friendly note to a neighbour asking them to water my tomato plants while I am away for a week.",
+    "A train leaves at 9:40 and arrives at 13:15. How long is the journey in minutes? Explain each step.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and two examples.",
+)
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     _, tokenizer = smollm2
-    # One prompt from each of three categories keeps this quick but varied.
-    items = read_prompts(MT_BENCH)
-    chosen = [items[0], items[30], items[60]]
-    return [encode_prompt(tokenizer, item["prompt"]) for item in chosen]
+    return [encode_prompt(tokenizer, text) for text in PROMPTS]
 
 
 def test_oracle_and_random_drafters_equal_hf_greedy(smollm2, prompts):
