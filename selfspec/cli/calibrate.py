@@ -23,6 +23,9 @@ will not report on (MT-bench 1-40).
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -56,8 +59,36 @@ from selfspec.training.data import BUILTIN_PROMPTS
 EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
 #: feature-drafter (EAGLE) policies tried by default: tree depth x node budget x children per expanded node
 EAGLE_GRID = "depth=4,5 nodes=3,4,6,8 top_k=2,4"
-#: what a decode-based search tunes, per drafter kind: (grid, what the drafter is called in messages)
-DECODE_SEARCH = {"early-exit": (EXIT_GRID, "early-exit classifier"), "eagle": (EAGLE_GRID, "feature drafter")}
+
+
+def _load_exit_classifier(heads: str, model) -> None:
+    from early_exit.classifier import ExitClassifier
+
+    ExitClassifier.from_pretrained(heads, model)
+
+
+def _load_eagle(heads: str, model) -> None:
+    from eagle.model import from_pretrained
+
+    from_pretrained(heads, model)
+
+
+class PolicySearch(NamedTuple):
+    """How ``calibrate`` searches one drafter kind's policies by decoding: the default grid, what the drafter is
+    called in messages, a loader that refuses heads made for another model (before any decoding), and the saver of
+    the chosen policy."""
+
+    grid: str
+    what: str
+    load: Callable[[str, Any], None]
+    save: Callable[..., Path]
+
+
+#: the drafter kinds whose policy is chosen by decoding beside plain decoding
+DECODE_SEARCH = {
+    "early-exit": PolicySearch(EXIT_GRID, "early-exit classifier", _load_exit_classifier, save_exit_policy),
+    "eagle": PolicySearch(EAGLE_GRID, "feature drafter", _load_eagle, save_eagle_policy),
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -104,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     kind = heads_kind(args.heads)
     if kind in DECODE_SEARCH:
-        grid = parse_grid(args.grid or DECODE_SEARCH[kind][0])  # a malformed grid fails before the model loads
+        grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
         return _run_policy_search(args, grid, kind)
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
@@ -172,9 +203,6 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
 
 def heads_kind(heads: str) -> str | None:
     """The ``kind`` recorded in ``heads/config.json`` (None when absent or unreadable: Medusa's loader says why)."""
-    import json
-    from pathlib import Path
-
     try:
         config = json.loads((Path(heads) / "config.json").read_text())
     except (OSError, ValueError):
@@ -187,20 +215,13 @@ def heads_kind(heads: str) -> str | None:
 
 
 def _run_policy_search(args, grid: list[dict], kind: str) -> int:
+    search = DECODE_SEARCH[kind]
     model, tokenizer = load_model(args.model)
-    # loading refuses heads trained for another model before any decoding
-    if kind == "eagle":
-        from eagle.model import from_pretrained
-
-        from_pretrained(args.heads, model)
-    else:
-        from early_exit.classifier import ExitClassifier
-
-        ExitClassifier.from_pretrained(args.heads, model)
+    search.load(args.heads, model)  # refuses heads trained for another model before any decoding
     backend = apply_backend(model, args)
     prompts = _calibration_prompts(args, model, tokenizer)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
-    print(f"calibration: {len(grid)} {DECODE_SEARCH[kind][1]} policies beside plain decoding, {len(prompts)} prompts"
+    print(f"calibration: {len(grid)} {search.what} policies beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
     print("policy | tau | speedup | draft ms/step")
     best, rows = search_policies(model, kind, args.heads, grid, prompts, settings,
@@ -215,7 +236,6 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
                   "cpu": cpu_model(), "prompts": args.prompts or "builtin", "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
-        save = save_eagle_policy if kind == "eagle" else save_exit_policy
-        path = save(model, args.heads, best.options, report)
+        path = search.save(model, args.heads, best.options, report)
         print(f"saved policy {best.label} into {path} (details in calibration.json)")
     return 0
