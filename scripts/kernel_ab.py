@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import statistics
 import subprocess
 import sys
@@ -47,19 +46,11 @@ def kernel_source(spec: str) -> Path:
 
 
 def build(source: Path, extra: list[str]):
-    from torch.utils import cpp_extension
-
     flags = list(skinny.cflags()) + extra
     key = hashlib.sha256((source.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     directory = Path(tempfile.gettempdir()) / "selfspec-kernel-ab" / key
     directory.mkdir(parents=True, exist_ok=True)
-    try:
-        import ninja
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    except ImportError:
-        pass
-    return cpp_extension.load(name=f"skinny_ab_{key}", sources=[str(source)], extra_cflags=flags,
-                              build_directory=str(directory), verbose=False)
+    return skinny.compile_extension(f"skinny_ab_{key}", source, flags, directory)
 
 
 def check_same(builds: dict, weights: list[torch.Tensor], sizes: list[int]) -> None:

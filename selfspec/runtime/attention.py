@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfspec.runtime.cache import grown_buffers
+
 
 def rotary_of(model: nn.Module) -> nn.Module | None:
     """The base model's rotary embedding module (``rotary_emb(x, position_ids) -> (cos, sin)``), or ``None`` for a
@@ -95,14 +97,8 @@ class LayerCache:
         if self.keys is not None and (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[3] != keys.shape[3]):
             raise RuntimeError(f"attention cache holds entries of shape {tuple(self.keys.shape)}, cannot append "
                                f"{tuple(keys.shape)}: batch, heads and head size must match")
-        size = max(needed, 64, 2 * buffer.shape[2] if buffer is not None else 0)
-        batch, heads, _, dim = keys.shape
-        key_buffer = keys.new_empty(batch, heads, size, dim)
-        value_buffer = values.new_empty(batch, heads, size, values.shape[3])
-        if self.keys is not None:
-            key_buffer[:, :, :self.length] = self.keys
-            value_buffer[:, :, :self.length] = self.values
-        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        held = None if self.keys is None else (self.keys, self.values)
+        self._key_buffer, self._value_buffer = grown_buffers(held, needed, keys, values, current=buffer)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions.

@@ -16,6 +16,24 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
+def grown_buffers(held: tuple[torch.Tensor, torch.Tensor] | None, needed: int, keys: torch.Tensor,
+                  values: torch.Tensor, *, minimum: int = 64, current: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New key and value buffers ``[batch, heads, size, dim]`` shaped like ``keys`` / ``values``, holding ``held``
+    (the entries kept so far, or None) at their start. ``size`` is at least ``needed`` and ``minimum``, and doubles
+    ``current`` (the buffer outgrown), so that appending one entry at a time reallocates log-many times. Shared by
+    the base model's cache (``BufferedLayer``) and the drafters' one-layer caches (``attention.LayerCache``)."""
+    size = max(needed, minimum, 2 * current.shape[-2] if current is not None else 0)
+    batch, heads, _, dim = keys.shape
+    key_buffer = keys.new_empty(batch, heads, size, dim)
+    value_buffer = values.new_empty(batch, heads, size, values.shape[-1])
+    if held is not None:
+        length = held[0].shape[-2]
+        key_buffer[:, :, :length] = held[0]
+        value_buffer[:, :, :length] = held[1]
+    return key_buffer, value_buffer
+
+
 class BufferedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` / ``values`` are views ``[:, :, :length]`` of buffers that grow by doubling.
 
@@ -31,21 +49,14 @@ class BufferedLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
 
     def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        size = max(needed, self.capacity, 64)
         if self._key_buffer is not None and self._key_buffer.shape[-2] >= needed \
                 and self._key_buffer.shape[:2] == key_states.shape[:2]:
             return
-        if self._key_buffer is not None:
-            size = max(size, 2 * self._key_buffer.shape[-2])
         length = self.keys.shape[-2] if self.keys is not None and self.keys.numel() else 0
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_empty(batch, heads, size, dim)
-        values = value_states.new_empty(batch, heads, size, value_states.shape[-1])
-        if length:
-            keys[:, :, :length] = self.keys
-            values[:, :, :length] = self.values
-        self._key_buffer, self._value_buffer = keys, values
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        held = (self.keys, self.values) if length else None
+        self._key_buffer, self._value_buffer = grown_buffers(held, needed, key_states, value_states,
+                                                             minimum=max(self.capacity, 64), current=self._key_buffer)
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

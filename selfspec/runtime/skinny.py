@@ -61,26 +61,32 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _build():
+def compile_extension(name: str, source: Path, flags: list[str], directory: Path):
+    """Compile ``source`` with PyTorch's ``cpp_extension`` into ``directory`` and import it as ``name``, with the
+    ninja of this virtualenv on ``PATH`` (it need not be: ``.venv/bin/python ...``). Also used by
+    ``scripts/kernel_ab.py`` to build two versions of the kernel side by side."""
     from torch.utils import cpp_extension
 
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja  # the PyPI package: its binary is in the venv
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    except ImportError:
+        pass  # a system ninja may still be on PATH; cpp_extension says so if not
+    try:
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(flags),
+                                  build_directory=str(directory), verbose=False)
+    finally:
+        os.environ["PATH"] = path
 
+
+def _build():
     directory = cache_home() / "kernels" / f"skinny-{build_key()}"
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
         print("selfspec: building the skinny linear kernel for this CPU (once per machine, about a minute)",
               file=sys.stderr, flush=True)
-    path = os.environ.get("PATH", "")
-    try:
-        import ninja  # the PyPI package: its binary is in the venv, which need not be on PATH (.venv/bin/python ...)
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
-    except ImportError:
-        pass  # a system ninja may still be on PATH; cpp_extension says so if not
-    try:
-        return cpp_extension.load(name="selfspec_skinny_linear", sources=[str(SOURCE)], extra_cflags=list(cflags()),
-                                  build_directory=str(directory), verbose=False)
-    finally:
-        os.environ["PATH"] = path
+    return compile_extension("selfspec_skinny_linear", SOURCE, list(cflags()), directory)
 
 
 def extension():
