@@ -1,0 +1,90 @@
+"""scripts/draft_accuracy.py scores what the decode loop would draft: its depth-1 and chain counts equal a recount
+made the decode way (the verified prefix extended position by position, one draft step at a time)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle.model import DraftCache
+from selfspec.runtime.tiny import tiny_model
+from selfspec.testing import eagle_draft, random_prompt
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "draft_accuracy.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("draft_accuracy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_way(model, draft, full, start, depths):
+    """Per position t >= start - 1: whether the first draft matches (every t with a target), and how many of a
+    ``depths``-long chain's drafts match (every t with all its targets), each depth fed the true previous token."""
+    with torch.no_grad():
+        hidden = model(full, output_hidden_states=True).hidden_states
+        fused = draft.fuse([hidden[i] for i in draft.config.aux_layers])
+        vocab, s = draft.draft_vocab, full.shape[1]
+        first, chains = [], []
+        for t in range(start - 1, s - 2):
+            cache = DraftCache()
+            positions = torch.arange(t + 1)[None]
+            mask = (torch.arange(t + 1)[None, :] <= positions[0, :, None])[None, None]
+            out = draft.step(fused[:, :t + 1], full[:, 1:t + 2], positions, mask, cache)[:, -1:]
+            accepted, alive = 0, True
+            for j in range(min(depths, s - 2 - t)):
+                if j:
+                    out = draft.step(out, full[:, t + j + 1:t + j + 2], torch.tensor([[t + j]]), None, cache)
+                ok = bool(vocab[draft.logits(out[0, 0]).argmax()] == full[0, t + j + 2])
+                if j == 0:
+                    first.append(ok)
+                alive = alive and ok
+                accepted += alive
+            if t + depths + 1 < s:
+                chains.append(accepted)
+    return first, chains
+
+
+def half_drafted(model, draft, prompt, new_tokens, seed=0):
+    """``prompt`` + ``new_tokens`` tokens, each the drafter's own depth-1 guess with probability 1/2 (else random):
+    a text a random drafter is often right on (scored the same whatever wrote it)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.cat([prompt, torch.randint(2, 96, (1, 1), generator=generator)], dim=1)
+    with torch.no_grad():
+        while ids.shape[1] < prompt.shape[1] + new_tokens:
+            hidden = model(ids, output_hidden_states=True).hidden_states
+            out = draft.unroll([hidden[i] for i in draft.config.aux_layers], ids, torch.ones_like(ids), 1)[0]
+            guess = draft.draft_vocab[draft.logits(out[0, -2]).argmax()]  # position len-2 predicts the next token
+            coin = torch.rand((), generator=generator) < 0.5
+            token = guess if coin else torch.randint(2, 96, (), generator=generator)
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return ids
+
+
+def test_scores_equal_a_decode_time_recount(script):
+    model = tiny_model("llama")
+    draft = eagle_draft(model, seed=4, draft_vocab_size=64).eval()
+    prompt = random_prompt(6, seed=3)
+    full = half_drafted(model, draft, prompt, 30)
+    start, depths = prompt.shape[1], 3
+    result = script.score(model, draft, [(full, start)], depths=depths)
+    first, chains = decode_way(model, draft, full, start, depths)
+    answer_positions = full.shape[1] - start - 1
+    assert 0.25 < sum(first) / len(first) < 0.9, "the text should make the drafter right about half the time"
+    assert result["answers"] == 1 and result["answer_tokens"] == full.shape[1] - start
+    assert len(first) == answer_positions
+    assert result["top1_per_depth"][0] == pytest.approx(sum(first) / answer_positions)
+    assert max(chains) >= 1
+    assert result["chain_accepted"] == pytest.approx(sum(chains) / len(chains))
+    topk = result["depth1_topk"]
+    assert topk[1] == pytest.approx(result["top1_per_depth"][0])
+    assert topk[1] <= topk[2] <= topk[4] <= topk[8] <= 1.0
+    expected_in_vocab = torch.isin(full[0, start:], draft.draft_vocab).float().mean().item()
+    assert result["in_draft_vocab"] == pytest.approx(expected_in_vocab)
+    assert script.score(model, draft, [(full, start)], depths=depths, full_vocab=True)["in_draft_vocab"] == 1.0
