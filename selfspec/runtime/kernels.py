@@ -16,8 +16,9 @@ are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged
 its weight, repacked when the parameter changes. ``"auto"`` measures forwards of a plain step and of the tree sizes
 drafters verify (``AUTO_SIZES``) on each available backend, keeps the fastest in total, and remembers the choice per
 CPU, model and kernel build. Every backend but ``stock`` also runs a model's masked grouped-query attention (tree
-verification, padded batches) without copying its KV heads (``selfspec.runtime.attention.GQA_SDPA``); ``stock`` is
-PyTorch and transformers as shipped.
+verification, padded batches) without copying its KV heads (``selfspec.runtime.attention.GQA_SDPA``), and ``skinny``
+runs forwards of a few queries on its own attention kernel (``attention.SKINNY_ATTENTION``); ``stock`` is PyTorch and
+transformers as shipped.
 
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.runtime import skinny
-from selfspec.runtime.attention import use_gqa_sdpa
+from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
 _STATE = "_selfspec_linear_backend"
@@ -165,8 +166,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
             (default ``AUTO_SIZES``: a plain step and the trees drafters verify) cost least in total, measured
             once per CPU, model, sizes and kernel build and cached (``remeasure`` measures again); ``stock``
             otherwise. Each layer keeps the packed weights of every backend it has run on (a copy of the weights per
-            backend), so switching back is free. Every backend but ``stock`` also switches an ``sdpa`` model to
-            ``attention.GQA_SDPA``.
+            backend), so switching back is free. Every backend but ``stock`` also switches an ``sdpa`` model's
+            attention: ``onednn`` to ``attention.GQA_SDPA``, ``skinny`` to ``attention.SKINNY_ATTENTION``.
 
     Raises:
         ValueError: an unknown backend, ``onednn`` where this PyTorch build has no oneDNN, or ``skinny`` where the
@@ -184,9 +185,10 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     for module in model.modules():
         if isinstance(module, nn.Linear):
             set_module_backend(module, backend)
-    # The kernels of a backend include its attention: grouped-query SDPA for masked forwards (attention.GQA_SDPA);
-    # "stock" is PyTorch and transformers as shipped.
-    use_gqa_sdpa(model, enabled=backend != "stock")
+    # The kernels of a backend include its attention: grouped-query SDPA for masked forwards (attention.GQA_SDPA),
+    # and on skinny the few-query attention kernel too (attention.SKINNY_ATTENTION); "stock" is PyTorch and
+    # transformers as shipped.
+    use_attention(model, {"stock": None, "skinny": SKINNY_ATTENTION}.get(backend, GQA_SDPA))
     setattr(model, _STATE, backend)
     return backend
 

@@ -127,6 +127,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return extension().pack(weight.detach())
 
 
+_attention_dims: dict[int, bool] = {}
+
+
+def attention_supported(head_dim: int) -> bool:
+    """The attention kernel takes heads of this size (a multiple of the vector width: 4, 8 or 16 vectors)."""
+    known = _attention_dims.get(head_dim)
+    if known is None:
+        known = _attention_dims[head_dim] = bool(extension().attention_supported(head_dim))
+    return known
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """Softmax attention of a few queries: ``query [B, H, n, D]`` over ``key``/``value`` ``[B, KV, L, D]`` (``H``
+    a multiple of ``KV``: grouped-query heads read as they are), ``mask`` None or ``[B or 1, 1, n, L]``, bool (True:
+    attend) or float32 (added to the scores) -> ``[B, n, H, D]``, transformers' layout after attention."""
+    module = _module if _module is not None else extension()
+    return module.attention(query, key, value, mask, scale)
+
+
 def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``rows [n, in] @ weight.T + bias`` from the packed weight; ``n`` should be at most ``MAX_ROWS``."""
     module = _module if _module is not None else extension()  # built: no lock on the decode path

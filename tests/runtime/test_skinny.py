@@ -9,7 +9,11 @@ import torch
 
 from selfspec.runtime import skinny
 from selfspec.runtime.kernels import linear_backend_of, set_linear_backend
-from selfspec.testing import assert_linear_backend_is_exact_and_lossless, tiny_model
+from selfspec.testing import (
+    assert_linear_backend_is_exact_and_lossless,
+    assert_random_trees_decode_losslessly,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.xdist_group("skinny")
 
@@ -143,3 +147,87 @@ def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built,
     assert calls == [6]  # one call for both heads' 3 rows, against the 40-token slice of the LM head
     torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
     assert fast.shape == (2, 1, 3, 40) and fast_ids is ids is heads.draft_vocab
+
+
+# --- the few-query attention kernel (attention.SKINNY_ATTENTION on the skinny backend) ----------------------------
+
+def _sdpa(q, k, v, mask, scale):
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _random_mask(batch, n, keys, kind, gen):
+    """A mask every query row of which sees at least its own (last-n) key: random holes, and a left pad on row 1."""
+    if kind == "none":
+        return None
+    seen = torch.rand(batch, 1, n, keys, generator=gen) < 0.7
+    seen[..., torch.arange(n), keys - n + torch.arange(n)] = True
+    if batch > 1:
+        seen[1, :, :, :3] = False  # padding
+    if kind == "bool":
+        return seen
+    return torch.zeros(batch, 1, n, keys).masked_fill(~seen, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 17, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["none", "bool", "float"])
+def test_attention_kernel_equals_sdpa(built, n, heads, kv_heads, head_dim, kind):
+    if not skinny.attention_supported(head_dim):
+        pytest.skip(f"head dim {head_dim} is not a size this CPU's build takes")  # 256 on AVX2 builds
+    gen = torch.Generator().manual_seed(n * 100 + heads + head_dim)
+    batch, keys, capacity = 2, 37 + n, 64 + n
+    # the layouts of a real forward: queries transposed from [B, n, H, D], keys/values views of a larger cache buffer
+    q = torch.randn(batch, n, heads, head_dim, generator=gen).transpose(1, 2)
+    k = torch.randn(batch, kv_heads, capacity, head_dim, generator=gen)[:, :, :keys]
+    v = torch.randn(batch, kv_heads, capacity, head_dim, generator=gen)[:, :, :keys]
+    mask = _random_mask(batch, n, keys, kind, gen)
+    scale = head_dim ** -0.5
+    torch.testing.assert_close(skinny.attention(q, k, v, mask, scale), _sdpa(q, k, v, mask, scale),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_attention_kernel_broadcasts_one_mask_over_the_batch_and_refuses_what_it_cannot_take(built):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, s, 64, generator=gen) for h, s in ((6, 5), (2, 20), (2, 20)))
+    mask = _random_mask(1, 5, 20, "bool", gen)
+    torch.testing.assert_close(skinny.attention(q, k, v, mask, 0.125), _sdpa(q, k, v, mask, 0.125),
+                               rtol=1e-5, atol=2e-6)
+    with pytest.raises(RuntimeError, match="mask"):
+        skinny.attention(q, k, v, torch.ones(3, 6, 5, 20, dtype=torch.bool), 0.125)  # one mask per head
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny.attention(q.double(), k, v, None, 0.125)
+    assert not skinny.attention_supported(8) and not skinny.attention_supported(72)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_skinny_backend_attention_runs_few_query_forwards_and_stays_lossless(built, arch, monkeypatch):
+    """With heads of a size the kernel takes, every decode step and tree verification on the skinny backend runs the
+    attention kernel (the prefill and training do not), and decoding equals ``generate``, alone and in a padded
+    batch."""
+    from decoding.batch import generate_batch
+    from selfspec.runtime.attention import SKINNY_ATTENTION
+
+    model = tiny_model(arch, dtype=torch.float32, head_dim=64)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        stock = model(ids).logits
+        set_linear_backend(model, "skinny")
+        assert model.config._attn_implementation == SKINNY_ATTENTION
+        torch.testing.assert_close(model(ids).logits, stock, rtol=1e-4, atol=1e-4)
+    queries = []
+    kernel = skinny.attention
+    monkeypatch.setattr(skinny, "attention", lambda q, *a: queries.append(q.shape[2]) or kernel(q, *a))
+    assert_random_trees_decode_losslessly(model)
+    assert queries and max(queries) <= 7 and 1 in queries and any(n > 1 for n in queries)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]  # the second is left-padded: a masked batch forward
+    rows = generate_batch(model, None, prompts, max_new_tokens=8, eos_token_id=None).sequences
+    for prompt, row in zip(prompts, rows):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert row.tolist() == expected.tolist()
+    queries.clear()
+    model(ids).logits.sum()  # grad enabled: transformers' path
+    assert not queries
+    set_linear_backend(model, "stock")
+    assert model.config._attn_implementation == "sdpa"
