@@ -7,13 +7,14 @@ StaticCache (what HF ``generate`` compiles with).
 
 Variants:
   eager-stock      transformers + PyTorch as shipped (MKL linears, sdpa)
-  eager-skinny     selfspec's kernels (``--linear-backend skinny``: the skinny GEMM + grouped-query SDPA)
+  eager-skinny     selfspec's kernels (``--linear-backend skinny``: the skinny GEMM and, for up to 32 queries, the
+                   skinny attention kernel)
   inductor         ``torch.compile(model.forward)``, Inductor with ``freezing`` (weights folded and prepacked for
                    oneDNN), one static graph per token count
   inductor-autotune  the same with ``mode="max-autotune"`` (Inductor's C++ GEMM templates are benchmarked against
                    the oneDNN/MKL kernels for every linear shape)
   inductor-skinny  Inductor around selfspec's skinny GEMM, registered as a ``torch.library`` custom op (the compiler
-                   fuses everything else: norms, rotary, SiLU, residuals)
+                   fuses everything else: norms, rotary, SiLU, residuals; attention is Inductor's SDPA lowering)
 
 Each variant runs in its own process (compilation state does not leak between them); compile time is reported
 beside the curve. Ratios are to the same variant's 1-token forward; ``x stock`` is the 1-token forward against
