@@ -194,6 +194,11 @@ def test_attention_kernel_broadcasts_one_mask_over_the_batch_and_refuses_what_it
     mask = _random_mask(1, 5, 20, "bool", gen)
     torch.testing.assert_close(skinny.attention(q, k, v, mask, 0.125), _sdpa(q, k, v, mask, 0.125),
                                rtol=1e-5, atol=2e-6)
+    blind = mask.clone()
+    blind[0, 0, 2] = False  # a query that sees no key (a padding row): zeros, as SDPA gives
+    torch.testing.assert_close(skinny.attention(q, k, v, blind, 0.125), _sdpa(q, k, v, blind, 0.125),
+                               rtol=1e-5, atol=2e-6)
+    assert not skinny.attention(q, k, v, blind, 0.125)[:, 2].any()
     with pytest.raises(RuntimeError, match="mask"):
         skinny.attention(q, k, v, torch.ones(3, 6, 5, 20, dtype=torch.bool), 0.125)  # one mask per head
     with pytest.raises(RuntimeError, match="float32"):

@@ -242,7 +242,9 @@ inline vec vexp(vec x) {
   const vec y = p * r * r + r + 1.0f;
   ivec e = __builtin_convertvector(n, ivec) + 127;
   e = e << 23;
-  const vec result = y * reinterpret_cast<const vec&>(e);
+  vec two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  const vec result = y * two_n;
   return dead ? vec{} : result;
 }
 
@@ -344,7 +346,10 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t r0, i
       total[c] += x;
       std::memcpy(S + t * W + c * kLanes, &x, sizeof x);
     }
-  for (int c = 0; c < RV; ++c) inv[c] = 1.0f / total[c];
+  for (int c = 0; c < RV; ++c) {  // a row that sees no key gets zeros, as PyTorch's SDPA gives
+    const vec one_over = 1.0f / total[c];
+    inv[c] = total[c] > 0.0f ? one_over : vec{};
+  }
   float inv_row[W];
   std::memcpy(inv_row, inv, sizeof inv_row);
   // out rows = P @ V, RB rows at a time with their accumulators in registers
