@@ -160,19 +160,19 @@ def skinny_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     kernel: every key/value head read once for all the query rows that share it, no BLAS calls. PyTorch's flash
     kernel costs about 7 us a query on SmolLM2's layers on a 2-core CPU (64 us for 8 queries over 264 keys); this
     one about 3 (27 us). Same attention up to float rounding."""
-    n = query.shape[2]
+    batch, _, n, head_dim = query.shape
     mask = attention_mask
-    if (n <= MAX_SKINNY_QUERIES and (mask is not None or n == 1) and query.device.type == "cpu"
-            and query.dtype == torch.float32 and key.dtype == torch.float32 and value.dtype == torch.float32
-            and not torch.is_grad_enabled() and dropout == 0.0 and kwargs.get("softcap") is None
-            and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None):
+    if (n <= MAX_SKINNY_QUERIES and query.device.type == "cpu" and not torch.is_grad_enabled() and dropout == 0.0
+            and query.dtype == key.dtype == value.dtype == torch.float32
+            and key.shape[0] == value.shape[0] == batch and value.shape[-1] == key.shape[-1] == head_dim
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
+            and (n == 1 if mask is None else (
+                mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2] == n
+                and mask.shape[3] == key.shape[-2] and mask.dtype in (torch.bool, torch.float32)))):
         from selfspec.runtime import skinny
 
-        if mask is not None and mask.dim() == 4:
-            mask = mask[:, :, :, :key.shape[-2]]
-        if skinny.attention_supported(query.shape[-1]) and (
-                mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.dtype in (torch.bool, torch.float32))):
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if skinny.attention_supported(head_dim):
+            scale = scaling if scaling is not None else head_dim ** -0.5
             return skinny.attention(query, key, value, mask, scale), None
     return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)

@@ -22,7 +22,7 @@ import torch
 from selfspec.runtime.io import cache_home
 
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno")  # not -ffast-math: the attention's exp needs IEEE rounding
 # ``at::parallel_for`` is a header template: it runs the kernel on PyTorch's OpenMP threads only when *this* file is
 # compiled with OpenMP; without the flag every call ran on one core (half the machine, on a 2-core VM). The symbols
 # resolve to the libgomp PyTorch itself loaded, so the kernel shares its thread pool and ``torch.set_num_threads``.

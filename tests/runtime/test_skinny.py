@@ -232,7 +232,31 @@ def test_skinny_backend_attention_runs_few_query_forwards_and_stays_lossless(bui
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
         assert row.tolist() == expected.tolist()
     queries.clear()
-    model(ids).logits.sum()  # grad enabled: transformers' path
+    model(ids[:, :1]).logits.sum()  # one query, grad enabled (training): transformers' path
     assert not queries
     set_linear_backend(model, "stock")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_skinny_attention_takes_only_what_the_kernel_computes_exactly(built, monkeypatch):
+    """Through the registered implementation: an expanded (stride-0) mask runs the kernel; a mask that only
+    broadcasts over the queries, and more than 32 queries, go to SDPA; all three equal SDPA."""
+    from types import SimpleNamespace
+
+    from selfspec.runtime.attention import skinny_attention
+
+    calls = []
+    kernel = skinny.attention
+    monkeypatch.setattr(skinny, "attention", lambda *a: calls.append(1) or kernel(*a))
+    module = SimpleNamespace(num_key_value_groups=3, training=False)
+    gen = torch.Generator().manual_seed(5)
+    for n, mask_shape, expected_calls in ((6, "expanded", 1), (6, "broadcast over queries", 0), (33, "full", 0)):
+        q, k, v = (torch.randn(2, h, s, 64, generator=gen) for h, s in ((6, n), (2, 30 + n), (2, 30 + n)))
+        full = _random_mask(2, n, 30 + n, "bool", gen)
+        mask = {"expanded": full[:1].expand(2, 1, n, 30 + n), "broadcast over queries": full[:, :, :1],
+                "full": full}[mask_shape]
+        calls.clear()
+        with torch.inference_mode():
+            out, _ = skinny_attention(module, q, k, v, mask, scaling=0.125)
+        assert len(calls) == expected_calls, mask_shape
+        torch.testing.assert_close(out, _sdpa(q, k, v, mask, 0.125), rtol=1e-5, atol=2e-6)

@@ -201,27 +201,19 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
 // heads, 3 KV heads, 64 dims, 8 queries over 264 keys) that is ~64 us a layer on a 2-core Zen 5 and grows about
 // linearly with the queries (~7 us each), which is most of what a tree costs above one token besides the linears.
 // Here one task takes a KV head's keys and values through L1/L2 once for a block of its query rows (every query of
-// every head sharing that KV head): scores by vector dot products, a softmax with a vectorised exp, then the
-// probability-weighted sum of values as a small GEMM whose accumulators stay in registers.
+// every head sharing that KV head): scores for all the rows at once (the queries transposed, key dims broadcast), a
+// softmax with a vectorised exp, then the probability-weighted sum of values as a small GEMM whose accumulators stay
+// in registers.
 //
 // Rounding: float32 throughout; sums in a different order from PyTorch's kernels, and exp by a degree-6 polynomial
 // after exact range reduction (Cephes' expf, ~1 ulp): the same class of difference as one BLAS against another.
+// The exp's rounding trick (adding 1.5 * 2^23) needs IEEE float semantics: never build this file with -ffast-math.
 
 namespace {
 
 constexpr int kHalf = kLanes / 2;
 typedef float half_vec __attribute__((vector_size(kHalf * 4)));
 typedef int ivec __attribute__((vector_size(kLanes * 4)));
-
-inline float hsum(vec v) {
-  half_vec lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  half_vec h = lo + hi;
-  float s = 0.0f;
-  for (int i = 0; i < kHalf; ++i) s += h[i];
-  return s;
-}
 
 // e^x lane by lane; lanes below -87 (masked keys, or weights below float's normal range) give exactly 0.
 inline vec vexp(vec x) {
@@ -304,7 +296,7 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t r0, i
       }
     for (int c = 0; c < RV; ++c) std::memcpy(S + j * W + c * kLanes, &acc[c], sizeof(vec));
   }
-  // the mask: each query's row is scanned once and only entries that change a score are applied (a tree mask hides
+  // the mask: each row's query mask is scanned and only entries that change a score are applied (a tree mask hides
   // a few keys; a prefix every query sees costs one comparison a key)
   if (a.mask_kind != 0) {
     for (int64_t i = 0; i < n; ++i) {
@@ -414,7 +406,8 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key, co
                         const c10::optional<torch::Tensor>& mask, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "skinny attention: 4-D query/key/value");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key.scalar_type() == torch::kFloat32 &&
-                  value.scalar_type() == torch::kFloat32 && query.device().is_cpu(),
+                  value.scalar_type() == torch::kFloat32 && query.device().is_cpu() && key.device().is_cpu() &&
+                  value.device().is_cpu(),
               "skinny attention: float32 CPU tensors");
   const int64_t B = query.size(0), H = query.size(1), n = query.size(2), D = query.size(3);
   const int64_t KV = key.size(1), L = key.size(2);
@@ -437,8 +430,8 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key, co
     TORCH_CHECK(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == n &&
                     m.size(3) == L,
                 "skinny attention: mask ", m.sizes(), " for ", n, " queries over ", L, " keys");
-    TORCH_CHECK(m.scalar_type() == torch::kBool || m.scalar_type() == torch::kFloat32,
-                "skinny attention: bool or float32 mask");
+    TORCH_CHECK((m.scalar_type() == torch::kBool || m.scalar_type() == torch::kFloat32) && m.device().is_cpu(),
+                "skinny attention: bool or float32 CPU mask");
     a.mask = m.data_ptr();
     a.mask_kind = m.scalar_type() == torch::kBool ? 1 : 2;
     a.m_b = m.size(0) == 1 ? 0 : m.stride(0);
