@@ -278,6 +278,9 @@ def render_card(config: EagleConfig) -> str:
     training = dict(config.training or {})
     command, metrics = training.pop("command", None), training.pop("metrics", None)
     name = base.get("name_or_path") or "an unnamed base model"
+    if Path(name).is_absolute():  # a local directory says nothing of the model: name its architecture too
+        name = (f"a {base.get('architecture') or 'causal LM'} of {base.get('num_hidden_layers', '?')} layers "
+                f"(loaded from {name})")
     lines = [f"# EAGLE-3 feature drafter for {name}", "",
              f"One decoder layer of the base's own class over the fused hidden states of base layers "
              f"{config.aux_layers} (output_hidden_states indexing) and the next token's embedding; draft vocabulary "

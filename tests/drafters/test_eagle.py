@@ -254,3 +254,16 @@ def test_export_command_writes_the_speculators_directory(tmp_path, capsys):
     assert cli(["export", "--format", "speculators", "--heads", str(tmp_path / "missing"),
                 "--out", str(tmp_path / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_card_names_a_base_loaded_from_a_directory_by_its_architecture(llama):
+    from eagle.model import render_card
+
+    draft = eagle_draft(llama, seed=0)
+    config = draft.config
+    config.base_model = {**(config.base_model or {}), "name_or_path": "/tmp", "architecture": "LlamaForCausalLM",
+                         "num_hidden_layers": 4}
+    assert render_card(config).splitlines()[0] == ("# EAGLE-3 feature drafter for a LlamaForCausalLM of 4 layers "
+                                                   "(loaded from /tmp)")
+    config.base_model["name_or_path"] = "smollm2-135m-instruct"
+    assert render_card(config).splitlines()[0] == "# EAGLE-3 feature drafter for smollm2-135m-instruct"
