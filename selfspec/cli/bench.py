@@ -36,8 +36,14 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
 def apply_backend(model, args: argparse.Namespace) -> str:
     """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
     backend = set_linear_backend(model, args.linear_backend)
-    print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else ""), flush=True)
+    print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else "")
+          + f"; attention: {attention_of(model)}", flush=True)
     return backend
+
+
+def attention_of(model) -> str | None:
+    """The attention implementation the model runs (the backend's: ``sdpa`` on stock, selfspec's on the others)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def register(subparsers) -> None:
@@ -78,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                               progress=not args.quiet)
     config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "num_prompts": len(prompts),
               "methods": list(bench_run.generations), **settings.to_dict(),
-              "warmup_tokens": args.warmup_tokens, "linear_backend": backend, **environment()}
+              "warmup_tokens": args.warmup_tokens, "linear_backend": backend, "attention": attention_of(model),
+              **environment()}
     results = {"methods": summarize(model, bench_run), "config": config}
     paths = write_results(results, args.out)
     print(markdown_table(results))
@@ -97,7 +104,8 @@ def _run_batched(args, model, prompts, specs, settings, backend: str) -> int:
 
     results = run_batched(model, prompts, specs, args.batch_sizes, settings, progress=not args.quiet)
     results["config"] = {"model": args.model, "prompts": args.prompts, "num_prompts": len(prompts),
-                         "methods": specs, **settings.to_dict(), "linear_backend": backend, **environment()}
+                         "methods": specs, **settings.to_dict(), "linear_backend": backend,
+                         "attention": attention_of(model), **environment()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results-batched.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -64,6 +64,8 @@ def test_bench_cli_writes_results_schema(tmp_path):
     assert results["methods"][medusa_name]["tau"] > 1.0  # random heads still get some tokens accepted
     assert {"prefill", "draft", "verify", "accept", "compact", "observe", "other"} == set(results["methods"]["none"]["time_per_phase"])
     assert results["config"]["max_new_tokens"] == 8 and results["config"]["num_prompts"] == 2
+    # the attention the run used is recorded with the linear backend (selfspec's on every backend but stock)
+    assert (results["config"]["attention"] == "sdpa") == (results["config"]["linear_backend"] == "stock")
     assert "| hf-pld |" in (out / "results.md").read_text()
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
