@@ -214,8 +214,8 @@ class DamagedDirectoryError(ValueError):
 
 def verify_directory(directory: str | os.PathLike, what: str = "directory") -> None:
     """Check a directory written by ``atomic_directory`` before trusting it: the completion marker is there, and
-    every file it lists has its recorded size and (for directories written since checksums were recorded) its
-    SHA-256. A directory a killed writer moved aside is put back first (``remove_stale_temporaries``).
+    every file it lists but the card (README.md, which people edit) has its recorded size and (for directories
+    written since checksums were recorded) its SHA-256. A directory a killed writer moved aside is put back first (``remove_stale_temporaries``).
 
     Raises:
         FileNotFoundError: nothing at ``directory``.
@@ -233,6 +233,8 @@ def verify_directory(directory: str | os.PathLike, what: str = "directory") -> N
         raise DamagedDirectoryError(f"{what} {directory} is incomplete: its completion marker {MARKER} is missing "
                                     "or unreadable (a write that did not finish); save it again") from None
     for name, size in sizes.items():
+        if name == README_NAME:
+            continue  # the card is documentation people edit (as on the Hub); loading never reads it
         path = directory / name
         if not path.is_file():
             raise DamagedDirectoryError(f"{what} {directory}: {name} is missing; save the directory again")
@@ -240,7 +242,7 @@ def verify_directory(directory: str | os.PathLike, what: str = "directory") -> N
             raise DamagedDirectoryError(f"{what} {directory}: {name} has {path.stat().st_size} bytes, {size} were "
                                         "written (truncated or replaced); save the directory again")
     for name, digest in (marker.get("sha256") or {}).items():
-        if _sha256(directory / name) != digest:
+        if name != README_NAME and _sha256(directory / name) != digest:
             raise DamagedDirectoryError(f"{what} {directory}: {name} does not have the content that was written "
                                         "(checksum mismatch); save the directory again")
 

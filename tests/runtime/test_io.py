@@ -223,6 +223,9 @@ def test_verify_directory_names_the_damaged_file(tmp_path):
     with atomic_directory(final) as tmp:
         (tmp / "a.bin").write_bytes(b"1234")
         (tmp / "b.bin").write_bytes(b"5678")
+        (tmp / "README.md").write_text("# card")
+    verify_directory(final)
+    (final / "README.md").write_text("# card, edited by its owner")  # documentation: editing it breaks nothing
     verify_directory(final)
     (final / "b.bin").write_bytes(b"5679")  # same size, other content
     with pytest.raises(DamagedDirectoryError, match="b.bin does not have the content that was written"):
