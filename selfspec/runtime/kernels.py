@@ -38,6 +38,7 @@ from torch import nn
 
 from selfspec.runtime import skinny
 from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
+from selfspec.runtime.lean import use_lean_layers
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
 _STATE = "_selfspec_linear_backend"
@@ -189,6 +190,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     # and on skinny the few-query attention kernel too (attention.SKINNY_ATTENTION); "stock" is PyTorch and
     # transformers as shipped.
     use_attention(model, {"stock": None, "skinny": SKINNY_ATTENTION}.get(backend, GQA_SDPA))
+    # and on skinny, Llama-family decoder layers run a lean forward over the same kernels (selfspec.runtime.lean)
+    use_lean_layers(model, enabled=backend == "skinny")
     setattr(model, _STATE, backend)
     return backend
 

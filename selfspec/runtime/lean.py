@@ -1,0 +1,129 @@
+"""A lean decoder-layer forward for Llama-family models on the skinny backend.
+
+On a 2-core CPU a decode step of SmolLM2 spends ~2 ms of ~18 in the Python around its kernels: twelve module calls
+a layer, the linear wrappers' per-call checks, RMSNorm as seven small ops (``scripts/lean_layer_probe.py`` measured
+it). ``use_lean_layers(model)`` gives each supported decoder layer a ``forward`` that does the same computation
+with the same kernels, minus that: the layer's linears called straight on their packed weights, one fused
+``F.rms_norm`` per norm, rotary in four ops, and transformers' own attention interface and cache ``update``. It
+takes a call only when every part of it applies (no gradients, float32 on the CPU, at most ``skinny.MAX_ROWS``
+rows, every linear on the skinny kernel with its weights packed as they are now); anything else (prefill, training,
+a LoRA-wrapped projection, ``output_attentions``) runs the layer class's own ``forward``. Results are the model's up
+to float rounding (RMSNorm in one op), the same class of difference as the kernels themselves.
+
+Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.runtime import skinny
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_LEAN = "_selfspec_lean_forward"
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def supported(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` a lean forward can stand in for (empty for other architectures)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
+        return []
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = list(getattr(decoder, "layers", []) or [])
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+        if (attn is None or mlp is None or any(not hasattr(n, "variance_epsilon") for n in norms)
+                or hasattr(attn, "q_norm") or not all(hasattr(attn, a) for a in ("head_dim", "scaling", "layer_idx"))
+                or not all(isinstance(m, nn.Linear) for m in _linears(layer))):
+            return []
+    return layers
+
+
+def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
+    """Give every supported decoder layer of ``model`` the lean forward (``enabled``) or its class's back; returns how
+    many layers have it now."""
+    layers = supported(model)
+    for layer in layers:
+        if enabled:
+            layer.forward = layer.__dict__.setdefault(_LEAN, _LeanForward(layer))
+        elif isinstance(layer.__dict__.get("forward"), _LeanForward):
+            del layer.forward
+    return len(layers) if enabled else 0
+
+
+class _LeanForward:
+    """A decoder layer's ``forward`` (see the module docstring); ``calls`` counts the calls it took itself."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.calls = 0
+        self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
+
+    def _fallback(self, *args, **kwargs):
+        return type(self.layer).forward(self.layer, *args, **kwargs)
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from selfspec.runtime.kernels import _SkinnyLinear
+
+        layer = self.layer
+        shape = hidden_states.shape
+        rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
+        linears = _linears(layer)
+        kernels = [m.__dict__.get("forward") for m in linears]
+        if (torch.is_grad_enabled() or layer.training or hidden_states.dtype != torch.float32
+                or hidden_states.device.type != "cpu" or not 0 < rows <= skinny.MAX_ROWS or position_embeddings is None
+                or kwargs.get("output_attentions") or not all(isinstance(k, _SkinnyLinear) for k in kernels)
+                or not all(k._current(m._parameters["weight"], m._parameters.get("bias"))
+                           for k, m in zip(kernels, linears))):
+            return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(layer.self_attn.config._attn_implementation, None)
+        if interface is None:  # eager attention: transformers' own function, through the class forward
+            return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        self.calls += 1
+        q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
+        q_m, k_m, v_m, o_m, gate_m, up_m, down_m = linears
+        attn = layer.self_attn
+        batch, n, hidden = shape
+        d = attn.head_dim
+
+        def linear(x, kernel, module):
+            return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"))
+
+        norm = layer.input_layernorm
+        x = F.rms_norm(hidden_states, (hidden,), norm.weight, norm.variance_epsilon).view(rows, hidden)
+        q = linear(x, q_k, q_m).view(batch, n, -1, d).transpose(1, 2)
+        k = linear(x, k_k, k_m).view(batch, n, -1, d).transpose(1, 2)
+        v = linear(x, v_k, v_m).view(batch, n, -1, d).transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = d // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        if self.passes_window:  # as Mistral's and Qwen2's attention pass it (only flash attention reads it)
+            kwargs = {**kwargs, "sliding_window": getattr(attn, "sliding_window",
+                                                          getattr(attn.config, "sliding_window", None))}
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        h = hidden_states + linear(out.reshape(rows, -1), o_k, o_m).view(shape)
+        norm = layer.post_attention_layernorm
+        y = F.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon).view(rows, hidden)
+        gated = F.silu(linear(y, gate_k, gate_m)).mul_(linear(y, up_k, up_m))
+        return h + linear(gated, down_k, down_m).view(shape)
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "supported", "use_lean_layers"]
