@@ -28,6 +28,7 @@ import torch
 
 from selfspec.runtime import cache as kv
 from selfspec.runtime import skinny
+from selfspec.runtime.attention import GQA_SDPA, use_attention
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import load_model
 
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             skinny._module = builds["new"]  # packs with the new build; the layout is checked equal above
             set_linear_backend(model, "skinny")
+            if not all(hasattr(b, "attention") for b in builds.values()):
+                # a build from before the attention kernel: both sides attend with SDPA
+                print("one build has no attention kernel: both forwards use SDPA's", file=sys.stderr)
+                use_attention(model, GQA_SDPA)
             ids = torch.randint(0, model.config.vocab_size, (1, args.prefix + max(sizes)))
             cache = kv.new_cache(model, capacity=args.prefix + max(sizes) + 8)
             model(input_ids=ids[:, :args.prefix], cache=cache, use_cache=True)

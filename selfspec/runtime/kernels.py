@@ -17,8 +17,9 @@ its weight, repacked when the parameter changes. ``"auto"`` measures forwards of
 drafters verify (``AUTO_SIZES``) on each available backend, keeps the fastest in total, and remembers the choice per
 CPU, model and kernel build. Every backend but ``stock`` also runs a model's masked grouped-query attention (tree
 verification, padded batches) without copying its KV heads (``selfspec.runtime.attention.GQA_SDPA``), and ``skinny``
-runs forwards of a few queries on its own attention kernel (``attention.SKINNY_ATTENTION``); ``stock`` is PyTorch and
-transformers as shipped.
+runs forwards of a few queries on its own attention kernel (``attention.SKINNY_ATTENTION``) and Llama-family decoder
+layers on a lean forward over its kernels (``selfspec.runtime.lean``); ``stock`` is PyTorch and transformers as
+shipped.
 
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
