@@ -10,7 +10,8 @@ rows, every linear on the skinny kernel with its weights packed as they are now)
 a LoRA-wrapped projection, ``output_attentions``) runs the layer class's own ``forward``. Results are the model's up
 to float rounding (RMSNorm in one op), the same class of difference as the kernels themselves.
 
-Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too).
+Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too),
+with transformers 5.25 or later (``MIN_TRANSFORMERS``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ from torch import nn
 from selfspec.runtime import skinny
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: The layers' forward mirrors these transformers versions' (5.25 on: ``cache.update(..., kwargs=...)``, the
+#: attention interface's ``get_interface``); older ones keep their own layers. tests/runtime/test_lean.py compares
+#: the two on the installed version.
+MIN_TRANSFORMERS = (5, 25)
 _LEAN = "_selfspec_lean_forward"
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = (transformers.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -33,7 +45,8 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 def supported(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of ``model`` a lean forward can stand in for (empty for other architectures)."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
+    if (getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu"
+            or _transformers_version() < MIN_TRANSFORMERS):
         return []
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = list(getattr(decoder, "layers", []) or [])
@@ -89,7 +102,9 @@ class _LeanForward:
                            for k, m in zip(kernels, linears))):
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(layer.self_attn.config._attn_implementation, None)
+        name = layer.self_attn.config._attn_implementation
+        get_interface = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)  # older 5.x: a plain mapping
+        interface = get_interface(name, None) if get_interface else ALL_ATTENTION_FUNCTIONS.get(name)
         if interface is None:  # eager attention: transformers' own function, through the class forward
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)

@@ -74,3 +74,12 @@ def test_other_architectures_keep_their_layers(arch):
     set_linear_backend(model, "skinny")
     assert not any("forward" in m.__dict__ and not hasattr(m, "weight") for m in model.modules()
                    if m.__class__.__name__.endswith("DecoderLayer"))
+
+
+def test_an_older_transformers_keeps_its_own_layers(monkeypatch):
+    from selfspec.runtime import lean
+
+    model = tiny_model("llama", dtype=torch.float32)
+    assert supported(model)
+    monkeypatch.setattr(lean, "_transformers_version", lambda: (5, 24))
+    assert supported(model) == []
