@@ -215,7 +215,8 @@ class DamagedDirectoryError(ValueError):
 def verify_directory(directory: str | os.PathLike, what: str = "directory") -> None:
     """Check a directory written by ``atomic_directory`` before trusting it: the completion marker is there, and
     every file it lists but the card (README.md, which people edit) has its recorded size and (for directories
-    written since checksums were recorded) its SHA-256. A directory a killed writer moved aside is put back first (``remove_stale_temporaries``).
+    written since checksums were recorded) its SHA-256. A directory a killed writer moved aside is put back first
+    (``remove_stale_temporaries``).
 
     Raises:
         FileNotFoundError: nothing at ``directory``.

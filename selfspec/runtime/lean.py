@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfspec.runtime import skinny
 
@@ -79,6 +80,9 @@ class _LeanForward:
         self.layer = layer
         self.calls = 0
         self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
+        from selfspec.runtime.kernels import _SkinnyLinear  # kernels imports this module
+
+        self.skinny_linear = _SkinnyLinear  # resolved once, not on every layer call
 
     def _fallback(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -86,10 +90,6 @@ class _LeanForward:
     def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        from selfspec.runtime.kernels import _SkinnyLinear
-
         layer = self.layer
         shape = hidden_states.shape
         rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
@@ -97,7 +97,7 @@ class _LeanForward:
         kernels = [m.__dict__.get("forward") for m in linears]
         if (torch.is_grad_enabled() or layer.training or hidden_states.dtype != torch.float32
                 or hidden_states.device.type != "cpu" or not 0 < rows <= skinny.MAX_ROWS or position_embeddings is None
-                or kwargs.get("output_attentions") or not all(isinstance(k, _SkinnyLinear) for k in kernels)
+                or kwargs.get("output_attentions") or not all(isinstance(k, self.skinny_linear) for k in kernels)
                 or not all(k._current(m._parameters["weight"], m._parameters.get("bias"))
                            for k, m in zip(kernels, linears))):
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
