@@ -1,0 +1,96 @@
+"""Two ways of running the skinny backend's forward, interleaved in one process: whole forwards of the model with
+one part switched forward by forward, so that both sides see the same moment of a VM whose speed drifts.
+
+    python scripts/forward_ab.py --compare attention --tokens 1,2,4,8,12,16,24
+    python scripts/forward_ab.py --compare lean --tokens 1,2,4,8,12,16,24
+
+``--compare attention``: PyTorch's SDPA over the grouped heads (``attention.GQA_SDPA``) against the few-query
+attention kernel (``attention.SKINNY_ATTENTION``). ``--compare lean``: transformers' decoder layers against the lean
+ones (``selfspec.runtime.lean``). Every linear is on the skinny kernel on both sides. Each forward of ``n`` tokens
+runs over ``--prefix`` cached tokens with a causal mask and is rolled back after; medians of ``--repeats`` rounds.
+The logits of the two sides are compared first (argmax equal, largest difference printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from selfspec.bench.cost import cpu_model
+from selfspec.runtime import cache as kv
+from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.lean import use_lean_layers
+from selfspec.runtime.models import load_model
+
+#: what each comparison switches: (label off, label on, switch(model, on))
+COMPARISONS = {
+    "attention": ("SDPA (GQA_SDPA)", "skinny attention",
+                  lambda model, on: use_attention(model, SKINNY_ATTENTION if on else GQA_SDPA)),
+    "lean": ("transformers' layers", "lean layers (selfspec.runtime.lean)", use_lean_layers),
+}
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--tokens", default="1,2,4,8,12,16,24")
+    parser.add_argument("--prefix", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = sorted({int(n) for n in args.tokens.split(",")})
+    labels = COMPARISONS[args.compare][:2]
+    switch = COMPARISONS[args.compare][2]
+    model, _ = load_model(args.model)
+    model.eval()
+    set_linear_backend(model, "skinny")
+    if args.compare == "lean" and not use_lean_layers(model):
+        sys.exit(f"{args.model}: no decoder layer the lean forward supports")
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, args.prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
+    cache = kv.new_cache(model, capacity=args.prefix + max(sizes) + 8)
+    model(input_ids=ids[:, :args.prefix], cache=cache, use_cache=True)
+
+    def forward(on: bool, n: int) -> torch.Tensor:
+        switch(model, on)
+        mask = torch.ones(1, 1, n, args.prefix + n, dtype=torch.bool).tril(args.prefix)
+        try:
+            return model(input_ids=ids[:, args.prefix:args.prefix + n], cache=cache, use_cache=True,
+                         attention_mask=mask).logits
+        finally:
+            kv.crop(cache, args.prefix)
+
+    for n in sizes:
+        a, b = forward(False, n), forward(True, n)
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            sys.exit(f"{n} tokens: the two sides disagree on an argmax")
+        print(f"{n} tokens: logits differ by at most {(a - b).abs().max().item():.1e}", file=sys.stderr)
+    times: dict = {}
+    for round_ in range(args.repeats + 2):  # two rounds of warm-up
+        for n in sizes:
+            for on in ((False, True) if round_ % 2 else (True, False)):
+                start = time.perf_counter()
+                forward(on, n)
+                if round_ >= 2:
+                    times.setdefault((on, n), []).append((time.perf_counter() - start) * 1e3)
+    print(f"forward ms (ratio to {sizes[0]} token), skinny linears, {cpu_model()}, {args.threads} threads, "
+          f"{args.prefix} cached tokens, median of {args.repeats} interleaved rounds")
+    print(f"| {args.compare} | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---:|" * len(sizes))
+    for on, label in ((False, labels[0]), (True, labels[1])):
+        median = {n: statistics.median(times[(on, n)]) for n in sizes}
+        cells = " | ".join(f"{median[n]:.1f} ({median[n] / median[sizes[0]]:.2f}x)" for n in sizes)
+        print(f"| {label} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
