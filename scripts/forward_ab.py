@@ -3,10 +3,12 @@ one part switched forward by forward, so that both sides see the same moment of 
 
     python scripts/forward_ab.py --compare attention --tokens 1,2,4,8,12,16,24
     python scripts/forward_ab.py --compare lean --tokens 1,2,4,8,12,16,24
+    python scripts/forward_ab.py --compare lean --old-lean 172f0b7   # a revision's lean layers against this one's
 
 ``--compare attention``: PyTorch's SDPA over the grouped heads (``attention.GQA_SDPA``) against the few-query
 attention kernel (``attention.SKINNY_ATTENTION``). ``--compare lean``: transformers' decoder layers against the lean
-ones (``selfspec.runtime.lean``). Every linear is on the skinny kernel on both sides. Each forward of ``n`` tokens
+ones (``selfspec.runtime.lean``); with ``--old-lean REV``, the lean layers of git revision ``REV`` (its
+``selfspec/runtime/lean.py``, run on this checkout's kernels) against this checkout's. Every linear is on the skinny kernel on both sides. Each forward of ``n`` tokens
 runs over ``--prefix`` cached tokens with a causal mask and is rolled back after; medians of ``--repeats`` rounds.
 The logits of the two sides are compared first (argmax equal, largest difference printed).
 """
@@ -15,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
+import types
+from pathlib import Path
 
 import torch
 
 from selfspec.bench.cost import cpu_model
 from selfspec.runtime import cache as kv
+from selfspec.runtime import lean
 from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.lean import use_lean_layers
@@ -35,6 +41,17 @@ COMPARISONS = {
 }
 
 
+def lean_of_revision(revision: str) -> types.ModuleType:
+    """``selfspec/runtime/lean.py`` as of git ``revision``, loaded as a module of its own."""
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(["git", "-C", str(root), "show", f"{revision}:selfspec/runtime/lean.py"], check=True,
+                          capture_output=True, text=True).stdout
+    module = types.ModuleType(f"lean_{revision}")
+    exec(compile(text, f"{revision}:selfspec/runtime/lean.py", "exec"), module.__dict__)
+    module._LEAN = f"{lean._LEAN}_{revision}"  # its own per-layer slot, apart from this checkout's
+    return module
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,11 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--old-lean", metavar="REV", help="with --compare lean: REV's lean layers, not transformers'")
     args = parser.parse_args(argv)
+    if args.old_lean and args.compare != "lean":
+        parser.error("--old-lean goes with --compare lean")
     torch.set_num_threads(args.threads)
     sizes = sorted({int(n) for n in args.tokens.split(",")})
     labels = COMPARISONS[args.compare][:2]
     switch = COMPARISONS[args.compare][2]
+    if args.old_lean:
+        old = lean_of_revision(args.old_lean)
+        labels = (f"lean layers of {args.old_lean}", "lean layers (this checkout)")
+
+        def switch(model, on):
+            (lean if on else old).use_lean_layers(model, True)
     model, _ = load_model(args.model)
     model.eval()
     set_linear_backend(model, "skinny")

@@ -1,14 +1,18 @@
 """A lean decoder-layer forward for Llama-family models on the skinny backend.
 
-On a 2-core CPU a decode step of SmolLM2 spends ~2 ms of ~18 in the Python around its kernels: twelve module calls
-a layer, the linear wrappers' per-call checks, RMSNorm as seven small ops (``scripts/lean_layer_probe.py`` measured
-it). ``use_lean_layers(model)`` gives each supported decoder layer a ``forward`` that does the same computation
-with the same kernels, minus that: the layer's linears called straight on their packed weights, one fused
-``F.rms_norm`` per norm, rotary in four ops, and transformers' own attention interface and cache ``update``. It
-takes a call only when every part of it applies (no gradients, float32 on the CPU, at most ``skinny.MAX_ROWS``
-rows, every linear on the skinny kernel with its weights packed as they are now); anything else (prefill, training,
-a LoRA-wrapped projection, ``output_attentions``) runs the layer class's own ``forward``. Results are the model's up
-to float rounding (RMSNorm in one op), the same class of difference as the kernels themselves.
+On a 2-core CPU a decode step of SmolLM2 spent ~4 ms of ~17 between its kernels: twelve module calls a layer, the
+linear wrappers' per-call checks, and ~25 small tensor ops (RMSNorm alone is seven on the CPU, rotary five a
+projection, SwiGLU and the residual adds three more). ``use_lean_layers(model)`` gives each supported decoder layer
+a ``forward`` that does the same computation on the skinny extension alone: the layer's linears called straight on
+their packed weights with the residual added in the kernel's epilogue, and one pass each for RMSNorm, rotary (in
+place) and silu(gate) * up (``skinny.rms_norm``, ``skinny.rope_``, ``skinny.silu_mul_``); transformers' own
+attention interface and cache ``update`` stay. Every one of those computes each row on its own, the same way
+whatever the row count, so a verified tree's rows get bitwise what one-token steps get (what lossless verification
+rests on). It takes a call only when every part of it applies (no gradients, float32 on the CPU, at most
+``skinny.MAX_ROWS`` rows, every linear on the skinny kernel with its weights packed as they are now, full-width
+rotary); anything else (prefill, training, a LoRA-wrapped projection, ``output_attentions``) runs the layer class's
+own ``forward``. Results are the model's up to float rounding (summation order, exp), the same class of difference
+as the kernels themselves.
 
 Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too),
 with transformers 5.25 or later (``MIN_TRANSFORMERS``).
@@ -17,7 +21,6 @@ with transformers 5.25 or later (``MIN_TRANSFORMERS``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -39,8 +42,10 @@ def _transformers_version() -> tuple[int, int]:
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    # through ``_modules``: ``nn.Module.__getattr__`` costs ~1 us a lookup, and this runs on every layer call
+    attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    return (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"],
+            mlp["down_proj"])
 
 
 def supported(model: nn.Module) -> list[nn.Module]:
@@ -108,37 +113,38 @@ class _LeanForward:
         if interface is None:  # eager attention: transformers' own function, through the class forward
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        self.calls += 1
         q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
         q_m, k_m, v_m, o_m, gate_m, up_m, down_m = linears
         attn = layer.self_attn
         batch, n, hidden = shape
         d = attn.head_dim
-
-        def linear(x, kernel, module):
-            return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"))
-
-        norm = layer.input_layernorm
-        x = F.rms_norm(hidden_states, (hidden,), norm.weight, norm.variance_epsilon).view(rows, hidden)
-        q = linear(x, q_k, q_m).view(batch, n, -1, d).transpose(1, 2)
-        k = linear(x, k_k, k_m).view(batch, n, -1, d).transpose(1, 2)
-        v = linear(x, v_k, v_m).view(batch, n, -1, d).transpose(1, 2)
         cos, sin = position_embeddings
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = d // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+        if cos.shape[-1] != d:  # partial rotary: not this forward's
+            return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        self.calls += 1
+
+        def linear(x, kernel, module, residual=None):
+            return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"), residual)
+
+        residual = hidden_states.reshape(rows, hidden).contiguous()
+        norm = layer.input_layernorm
+        x = skinny.rms_norm(residual, norm.weight, norm.variance_epsilon)
+        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        q = skinny.rope_(linear(x, q_k, q_m), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+        k = skinny.rope_(linear(x, k_k, k_m), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+        v = linear(x, v_k, v_m).view(batch, n, -1, d).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
         if self.passes_window:  # as Mistral's and Qwen2's attention pass it (only flash attention reads it)
             kwargs = {**kwargs, "sliding_window": getattr(attn, "sliding_window",
                                                           getattr(attn.config, "sliding_window", None))}
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-        h = hidden_states + linear(out.reshape(rows, -1), o_k, o_m).view(shape)
+        h = linear(out.reshape(rows, -1), o_k, o_m, residual)
         norm = layer.post_attention_layernorm
-        y = F.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon).view(rows, hidden)
-        gated = F.silu(linear(y, gate_k, gate_m)).mul_(linear(y, up_k, up_m))
-        return h + linear(gated, down_k, down_m).view(shape)
+        y = skinny.rms_norm(h, norm.weight, norm.variance_epsilon)
+        gated = skinny.silu_mul_(linear(y, gate_k, gate_m), linear(y, up_k, up_m))
+        return linear(gated, down_k, down_m, h).view(shape)
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "supported", "use_lean_layers"]

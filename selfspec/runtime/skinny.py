@@ -147,7 +147,27 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return module.attention(query, key, value, mask, scale)
 
 
-def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``rows [n, in] @ weight.T + bias`` from the packed weight; ``n`` should be at most ``MAX_ROWS``."""
+def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [n, in] @ weight.T + bias`` from the packed weight, plus ``residual`` ``[n, out]`` if given (added last,
+    as ``residual + linear(rows)`` adds it); ``n`` should be at most ``MAX_ROWS``."""
     module = _module if _module is not None else extension()  # built: no lock on the decode path
-    return module.linear(rows, packed, out_features, bias)  # the C++ side reads the data only: no autograd
+    return module.linear(rows, packed, out_features, bias, residual)  # reads the data only: no autograd
+
+
+def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of contiguous float32 ``rows [n, hidden]`` (the Llama family's, one pass a row)."""
+    return (_module if _module is not None else extension()).rms_norm(rows, weight, eps)
+
+
+def rope_(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotary embedding (rotate-half) in place on ``rows [n, heads * head_dim]``; ``cos`` / ``sin`` ``[n or m,
+    head_dim]``, row ``r`` taking position row ``r % m`` (one position row per token, shared by batch rows)."""
+    (_module if _module is not None else extension()).rope_(rows, cos, sin, head_dim)
+    return rows
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate = silu(gate) * up`` in place (contiguous float32 ``[n, intermediate]`` both)."""
+    (_module if _module is not None else extension()).silu_mul_(gate, up)
+    return gate

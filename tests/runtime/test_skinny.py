@@ -287,3 +287,75 @@ def test_batched_tree_verification_on_the_attention_kernel_is_lossless_per_row(b
     for r, prompt in enumerate(prompts):
         assert out.sequences[r].tolist() == greedy(prompt, 20, eos).tolist(), r
     assert any(b > 1 and n > 1 for b, n in queries)  # batched tree forwards ran on the kernel
+
+
+# ---- the decoder layer's small operations (selfspec.runtime.lean calls them between the kernels) ----
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 24])
+def test_linear_adds_the_residual_last_exactly(built, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(40, 33, generator=gen), torch.randn(40, generator=gen)
+    x, residual = torch.randn(rows, 33, generator=gen), torch.randn(rows, 40, generator=gen)
+    packed = skinny.pack(weight)
+    # the same two float32 numbers added: bitwise what `residual + linear(x)` gives on the same kernel
+    assert torch.equal(skinny.linear(x, packed, 40, bias, residual), residual + skinny.linear(x, packed, 40, bias))
+    with pytest.raises(RuntimeError, match="residual"):
+        skinny.linear(x, packed, 40, bias, torch.zeros(rows, 39))
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 37])  # SmolLM2's, one vector's multiple, a remainder
+def test_rms_norm_equals_the_llama_norm_and_each_row_is_computed_alone(built, hidden):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    x = torch.randn(20, hidden, generator=gen) * 3
+    out = skinny.rms_norm(x, norm.weight.detach(), 1e-5)
+    torch.testing.assert_close(out, norm(x).detach(), rtol=1e-5, atol=1e-5)
+    for r in (0, 7, 19):  # a row's result does not depend on the rows beside it: a tree row = a one-token step
+        assert torch.equal(skinny.rms_norm(x[r:r + 1].contiguous(), norm.weight.detach(), 1e-5), out[r:r + 1])
+    with pytest.raises(RuntimeError, match="weight"):
+        skinny.rms_norm(x, torch.ones(hidden + 1), 1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 20])
+@pytest.mark.parametrize("batch,positions_batch", [(1, 1), (3, 3), (3, 1)])
+def test_rope_equals_transformers_rotary_in_place(built, head_dim, batch, positions_batch):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(head_dim + batch)
+    n, heads = 5, 3
+    q = torch.randn(batch, n, heads * head_dim, generator=gen)
+    angles = torch.rand(positions_batch, n, head_dim // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected, _ = apply_rotary_pos_emb(q.view(batch, n, heads, head_dim).transpose(1, 2),
+                                       q.view(batch, n, heads, head_dim).transpose(1, 2), cos, sin)
+    rows = q.reshape(batch * n, -1).clone()
+    out = skinny.rope_(rows, cos.reshape(-1, head_dim).contiguous(), sin.reshape(-1, head_dim).contiguous(), head_dim)
+    assert out is rows  # in place
+    got = rows.view(batch, n, heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    one = q.reshape(batch * n, -1)[2:3].clone()  # the third token alone, with its own position row
+    position = cos.reshape(-1, head_dim)[2 % (positions_batch * n):][:1].contiguous()
+    position_sin = sin.reshape(-1, head_dim)[2 % (positions_batch * n):][:1].contiguous()
+    assert torch.equal(skinny.rope_(one, position, position_sin, head_dim)[0], rows[2])
+    with pytest.raises(RuntimeError, match="head dim"):
+        skinny.rope_(rows, cos.reshape(-1, head_dim)[:, :-2].contiguous(), sin.reshape(-1, head_dim)[:, :-2].contiguous(),
+                     head_dim)
+
+
+@pytest.mark.parametrize("width", [1536, 16, 37, 5])
+def test_silu_mul_equals_silu_times_up_at_every_magnitude(built, width):
+    gen = torch.Generator().manual_seed(width)
+    gate = torch.randn(7, width, generator=gen) * 6
+    gate[0, : min(width, 4)] = torch.tensor([-200.0, -88.5, 90.0, 300.0])[: min(width, 4)]  # exp's range edges
+    up = torch.randn(7, width, generator=gen)
+    expected = torch.nn.functional.silu(gate) * up
+    got = skinny.silu_mul_(gate.clone(), up)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-30)
+    assert torch.isfinite(got).all()
+    # element by element: a row alone (a one-token step) gets exactly what it gets among others (a tree)
+    assert torch.equal(skinny.silu_mul_(gate[3:4].clone(), up[3:4].contiguous()), got[3:4])

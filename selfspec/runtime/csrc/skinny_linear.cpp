@@ -43,7 +43,7 @@ typedef float vec_unaligned __attribute__((vector_size(kLanes * 4), aligned(4)))
 // panels the current tile still reads.
 template <int R, int C, bool Prefetch>
 inline void tile(const float* __restrict x, int64_t K, const float* __restrict packed, int64_t panel,
-                 float* __restrict out, int64_t M, const float* __restrict bias) {
+                 float* __restrict out, int64_t M, const float* __restrict bias, const float* __restrict residual) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vec{};
@@ -66,11 +66,12 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
     if (bias != nullptr)
       for (int i = 0; i < width; ++i) b[i] = bias[m0 + i];
     for (int r = 0; r < R; ++r) {
-      const vec v = acc[r][c] + b;
+      vec v = acc[r][c] + b;
       if (width == kLanes) {
+        if (residual != nullptr) v = *reinterpret_cast<const vec_unaligned*>(residual + r * M + m0) + v;
         *reinterpret_cast<vec_unaligned*>(out + r * M + m0) = v;
       } else {
-        for (int i = 0; i < width; ++i) out[r * M + m0 + i] = v[i];
+        for (int i = 0; i < width; ++i) out[r * M + m0 + i] = residual != nullptr ? residual[r * M + m0 + i] + v[i] : v[i];
       }
     }
   }
@@ -79,10 +80,10 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
 // A tile of n rows (0 < n <= R) against panels [panel, panel + C), the row count dispatched to its instantiation.
 template <int C, bool Prefetch, int R>
 inline void tile_n(int64_t n, const float* x, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
-                   const float* bias) {
+                   const float* bias, const float* residual) {
   if constexpr (R > 0) {
-    if (n == R) tile<R, C, Prefetch>(x, K, packed, panel, out, M, bias);
-    else tile_n<C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias);
+    if (n == R) tile<R, C, Prefetch>(x, K, packed, panel, out, M, bias, residual);
+    else tile_n<C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias, residual);
   }
 }
 
@@ -90,10 +91,13 @@ inline void tile_n(int64_t n, const float* x, int64_t K, const float* packed, in
 // cache.
 template <int Rows, int C, bool Prefetch>
 void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
-          const float* bias) {
+          const float* bias, const float* residual) {
   int64_t r = 0;
-  for (; r + Rows <= n; r += Rows) tile<Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias);
-  if (n > r) tile_n<C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias);
+  for (; r + Rows <= n; r += Rows)
+    tile<Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias, residual ? residual + r * M : nullptr);
+  if (n > r)
+    tile_n<C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias,
+                                  residual ? residual + r * M : nullptr);
 }
 
 // Software prefetch pays from tiles of this many rows on: below, a tile is bound by memory and the hardware
@@ -104,11 +108,11 @@ constexpr int64_t kPrefetchRows = 5;
 // Panels [begin, end) in groups of C (then one by one), each group against all n rows in tiles of Rows rows.
 template <int Rows, int C>
 void panels(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
-            int64_t begin, int64_t end) {
+            const float* residual, int64_t begin, int64_t end) {
   constexpr bool prefetch = Rows >= kPrefetchRows;
   int64_t p = begin;
-  for (; p + C <= end; p += C) rows<Rows, C, prefetch>(x, n, K, packed, p, out, M, bias);
-  for (; p < end; ++p) rows<Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias);
+  for (; p + C <= end; p += C) rows<Rows, C, prefetch>(x, n, K, packed, p, out, M, bias, residual);
+  for (; p < end; ++p) rows<Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias, residual);
 }
 
 // The tile shape for n rows. The weights are the traffic: each weight vector loaded is used by every row of its
@@ -118,23 +122,23 @@ void panels(const float* x, int64_t n, int64_t K, const float* packed, float* ou
 // overlap that with the memory stream: on a 2-core Xeon (AVX-512) SmolLM2's linears at 12 rows took 28 ms as
 // 8 + 4 rows x 3 panels and 21 ms as one 12-row x 2-panel tile, at 16 rows 28.6 -> 24.5 ms (16 x 1).
 void dispatch(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
-              int64_t begin, int64_t end) {
+              const float* r, int64_t begin, int64_t end) {
 #ifdef __AVX512F__
-  if (n == 1) panels<1, 8>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n == 2) panels<2, 6>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 4) panels<4, 4>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 8) panels<8, 2>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 12) panels<12, 2>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 14) panels<14, 2>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 16) panels<16, 1>(x, n, K, packed, out, M, bias, begin, end);
-  else panels<12, 2>(x, n, K, packed, out, M, bias, begin, end);
+  if (n == 1) panels<1, 8>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n == 2) panels<2, 6>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 4) panels<4, 4>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 8) panels<8, 2>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 12) panels<12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 14) panels<14, 2>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 16) panels<16, 1>(x, n, K, packed, out, M, bias, r, begin, end);
+  else panels<12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
 #else
-  if (n == 1) panels<1, 6>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n == 2) panels<2, 4>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 4) panels<4, 3>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 6) panels<6, 2>(x, n, K, packed, out, M, bias, begin, end);
-  else if (n <= 12) panels<12, 1>(x, n, K, packed, out, M, bias, begin, end);
-  else panels<6, 2>(x, n, K, packed, out, M, bias, begin, end);
+  if (n == 1) panels<1, 6>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n == 2) panels<2, 4>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 4) panels<4, 3>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 6) panels<6, 2>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 12) panels<12, 1>(x, n, K, packed, out, M, bias, r, begin, end);
+  else panels<6, 2>(x, n, K, packed, out, M, bias, r, begin, end);
 #endif
 }
 
@@ -165,8 +169,9 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return padded.view({blocks, kLanes, K}).transpose(1, 2).contiguous();
 }
 
+// rows [n, K] @ W^T (+ bias) (+ residual [n, M], added last: residual + (x W^T + b), what `h + linear(x)` computes)
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features,
-                     const c10::optional<torch::Tensor>& bias) {
+                     const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
               "skinny_linear.linear: expected 2-D float32 CPU rows, got ", input.sizes(), " ", input.dtype());
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == input.size(1) &&
@@ -183,13 +188,21 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
     TORCH_CHECK(b->numel() == M && b->scalar_type() == torch::kFloat32, "skinny_linear.linear: bias of ",
                 b->numel(), " elements for ", M, " outputs");
   }
+  torch::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    res = *residual;
+    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.device().is_cpu() && res.numel() == n * M,
+                "skinny_linear.linear: residual of ", res.sizes(), " for ", n, " x ", M, " outputs");
+    res = res.contiguous();
+  }
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, blocks / (4 * at::get_num_threads()));
   at::parallel_for(0, blocks, grain,
-                   [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, begin, end); });
+                   [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, rp, begin, end); });
   return out;
 }
 
@@ -446,11 +459,133 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key, co
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The small operations between a decoder layer's kernels, each one pass over the rows: RMSNorm, rotary embedding
+// (rotate-half, in place) and the SwiGLU product. Through PyTorch they are ~25 tensor ops a layer (RMSNorm alone is
+// seven on the CPU), 2-5 us each at decode sizes, ~4 ms of a 15 ms SmolLM2 step on a 2-core CPU. Each row's result
+// depends on that row alone, computed the same way whatever the row count, so a tree's rows get exactly what a
+// one-token step gets (the property lossless verification needs); against PyTorch's ops they differ in summation
+// order and exp's rounding only.
+
+namespace {
+
+inline float hsum(vec v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(),
+              "skinny ", what, ": expected contiguous 2-D float32 CPU rows, got ", t.sizes(), " ", t.dtype());
+}
+
+}  // namespace
+
+// weight * (x * rsqrt(mean(x^2) + eps)) for each row of x [rows, H], as the Llama family's RMSNorm.
+torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, double eps) {
+  check_rows(input, "rms_norm");
+  const int64_t rows = input.size(0), H = input.size(1);
+  TORCH_CHECK(weight.numel() == H && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+              "skinny rms_norm: weight of ", weight.sizes(), " for rows of ", H);
+  auto out = torch::empty_like(input);
+  const float* x = input.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r, x += H, o += H) {
+    vec acc{};
+    int64_t i = 0;
+    for (; i + kLanes <= H; i += kLanes) {
+      const vec v = *reinterpret_cast<const vec_unaligned*>(x + i);
+      acc += v * v;
+    }
+    float squares = hsum(acc);
+    for (; i < H; ++i) squares += x[i] * x[i];
+    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(H) + e);
+    for (i = 0; i + kLanes <= H; i += kLanes)
+      *reinterpret_cast<vec_unaligned*>(o + i) =
+          *reinterpret_cast<const vec_unaligned*>(w + i) * (*reinterpret_cast<const vec_unaligned*>(x + i) * scale);
+    for (; i < H; ++i) o[i] = w[i] * (x[i] * scale);
+  }
+  return out;
+}
+
+// In place, x [rows, heads * D] (each row one token's heads): x * cos + rotate_half(x) * sin per head, with cos /
+// sin [rows or n, D] (n rows: one position per token of a row of n tokens, shared by every batch row).
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+  check_rows(x, "rope");
+  check_rows(cos, "rope (cos)");
+  check_rows(sin, "rope (sin)");
+  const int64_t rows = x.size(0), width = x.size(1), D = head_dim, half = D / 2;
+  TORCH_CHECK(D > 0 && D % 2 == 0 && width % D == 0 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  rows % cos.size(0) == 0,
+              "skinny rope: rows ", x.sizes(), " with cos ", cos.sizes(), " and head dim ", D);
+  const int64_t positions = cos.size(0);
+  float* p = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cp + (r % positions) * D;
+    const float* s = sp + (r % positions) * D;
+    for (int64_t h = 0; h < width; h += D) {
+      float* q = p + r * width + h;
+      int64_t i = 0;
+      for (; i + kLanes <= half; i += kLanes) {
+        const vec a = *reinterpret_cast<const vec_unaligned*>(q + i);
+        const vec b = *reinterpret_cast<const vec_unaligned*>(q + half + i);
+        *reinterpret_cast<vec_unaligned*>(q + i) = a * *reinterpret_cast<const vec_unaligned*>(c + i) +
+                                                   (vec{} - b) * *reinterpret_cast<const vec_unaligned*>(s + i);
+        *reinterpret_cast<vec_unaligned*>(q + half + i) =
+            b * *reinterpret_cast<const vec_unaligned*>(c + half + i) +
+            a * *reinterpret_cast<const vec_unaligned*>(s + half + i);
+      }
+      for (; i < half; ++i) {
+        const float a = q[i], b = q[half + i];
+        q[i] = a * c[i] + (-b) * s[i];
+        q[half + i] = b * c[half + i] + a * s[half + i];
+      }
+    }
+  }
+}
+
+// In place: gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, element by element ([rows, I] both).
+void silu_mul_(torch::Tensor& gate, const torch::Tensor& up) {
+  check_rows(gate, "silu_mul (gate)");
+  check_rows(up, "silu_mul (up)");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "skinny silu_mul: gate ", gate.sizes(), " and up ", up.sizes());
+  float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  const int64_t count = gate.numel();
+  const vec top = vec{} + 88.0f;  // exp(88) is finite: 1 + exp(-g) never overflows to inf
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    const vec x = *reinterpret_cast<const vec_unaligned*>(g + i);
+    vec minus = vec{} - x;
+    minus = minus > top ? top : minus;
+    *reinterpret_cast<vec_unaligned*>(g + i) = x / (1.0f + vexp(minus)) * *reinterpret_cast<const vec_unaligned*>(u + i);
+  }
+  if (i < count) {  // the tail through the same vector code, so every element rounds alike
+    vec x{}, v{};
+    for (int64_t j = i; j < count; ++j) x[j - i] = g[j], v[j - i] = u[j];
+    vec minus = vec{} - x;
+    minus = minus > top ? top : minus;
+    const vec y = x / (1.0f + vexp(minus)) * v;
+    for (int64_t j = i; j < count; ++j) g[j] = y[j - i];
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "floats per panel (the vector width the kernel was built for)");
   m.def("parallel_threads", &parallel_threads, "threads a parallel region of this module runs on");
   m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes]");
-  m.def("linear", &linear, "rows [n, K] x packed panels -> [n, out_features] (+ bias)");
+  m.def("linear", &linear, "rows [n, K] x packed panels -> [n, out_features] (+ bias) (+ residual)",
+        py::arg("input"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row: weight * x * rsqrt(mean(x^2) + eps)");
+  m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on rows [n, heads * head_dim]");
+  m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up, in place");
   m.def("attention_supported", &attention_supported, "whether attention takes this head dim");
   m.def("attention", &attention, "few-query grouped attention: q [B,H,n,D], k/v [B,KV,L,D], mask -> [B,n,H,D]");
 }
