@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
 from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import DraftTree
 from early_exit.adapter import AdapterCache
 from early_exit.layer_skip import check_skip_layers
 from early_exit.layers import additive_mask, crop_layers, run_layers
-from selfspec.runtime.kernels import follow_backend
-from selfspec.runtime.layers import num_decoder_layers
+from selfspec.runtime.kernels import drafting_with, follow_backend
+from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 
 # hidden [1, q, hidden] -> (logits [1, q, v], column -> token id map [v] or None for the identity)
 DraftHead = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -71,12 +72,19 @@ class PartialForwardDrafter(ContextDrafter):
         self.policy = policy
         # Seconds spent in the partial layers and in the head, and draft forwards run: per-instance, for profiling.
         self.timing = {"layers_s": 0.0, "head_s": 0.0, "forwards": 0, "proposals": 0}
+        self._linears: list[nn.Linear] | None = None  # the partial layers' linears (found on first use)
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree | None:
         cache, prefix = state.cache, state.cache_length
+        if self._linears is None:
+            layers = decoder_layers(self.model)
+            self._linears = [m for i in self.layer_ids for m in layers[i].modules() if isinstance(m, nn.Linear)]
         try:
-            return self._grow(state, cache, prefix)
+            # the partial layers draft on float16 copies of their weights where the base runs on the skinny kernel
+            # (selfspec.runtime.kernels.drafting_with): drafts only propose, verification runs the float32 ones
+            with drafting_with(self._linears):
+                return self._grow(state, cache, prefix)
         finally:
             # Whatever happened, verification must see the cache exactly as it was handed over.
             crop_layers(cache, self.layer_ids, prefix)

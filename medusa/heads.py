@@ -46,7 +46,7 @@ from selfspec.runtime.io import (
     atomic_directory,
     load_verified_weights,
 )
-from selfspec.runtime.kernels import module_backend, set_module_backend
+from selfspec.runtime.kernels import draft_backend, module_backend, set_module_backend
 
 
 class MedusaHeads(nn.Module):
@@ -242,7 +242,7 @@ class MedusaHeads(nn.Module):
             # runs there too, through the same per-layer mechanism (repacking, fallbacks for grad and many rows).
             if self._draft_head is None:
                 self._draft_head = _linear_of(self._draft_weight, bias)
-            set_module_backend(self._draft_head, "skinny")
+            set_module_backend(self._draft_head, draft_backend("skinny"))  # float16 panels unless turned off
             out = self._draft_head(flat)
         else:
             # weight @ x.T: for the few rows of a draft this GEMM shape is fast with every CPU BLAS (x @ weight.T is

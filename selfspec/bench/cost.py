@@ -62,8 +62,10 @@ def cost_curves(model: Any, sizes: Sequence[int], backends: Sequence[str] = ("st
 @torch.inference_mode()
 def machine_limits(buffer_mb: int = 512, repeats: int = 3) -> dict[str, float]:
     """What this CPU can do at best with the current torch threads: ``read_gb_s``, the rate a large float32 buffer
-    is read (a sum over ``buffer_mb`` MB, larger than any cache), and ``gflops``, a large square float32 GEMM's
-    rate (PyTorch's BLAS near its peak). Best of ``repeats``; about a second."""
+    is read (a sum over ``buffer_mb`` MB, larger than any cache); ``gflops``, a large float32 GEMM's rate through
+    PyTorch's BLAS; and, where the skinny extension builds, ``fma_gflops``, the cores' multiply-add peak measured
+    from registers (``skinny.fma_peak_gflops``: BLAS reaches well under it on some CPUs, 216 of 510 GFLOPS on a
+    2-core Zen 5). Best of ``repeats``; about a second."""
     data = torch.ones(buffer_mb * 2**20 // 4)
     data.sum()  # fault the pages in
     read = min(_timed(data.sum) for _ in range(repeats))
@@ -71,7 +73,12 @@ def machine_limits(buffer_mb: int = 512, repeats: int = 3) -> dict[str, float]:
     a, b = torch.randn(1024, 1152), torch.randn(1152, 1536)
     a @ b
     gemm = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return {"read_gb_s": buffer_mb * 2**20 / read / 1e9, "gflops": 2 * 1024 * 1152 * 1536 / gemm / 1e9}
+    limits = {"read_gb_s": buffer_mb * 2**20 / read / 1e9, "gflops": 2 * 1024 * 1152 * 1536 / gemm / 1e9}
+    from selfspec.runtime import skinny
+
+    if skinny.available():
+        limits["fma_gflops"] = max(skinny.fma_peak_gflops() for _ in range(repeats))
+    return limits
 
 
 def _timed(fn) -> float:
@@ -83,8 +90,9 @@ def _timed(fn) -> float:
 def linear_floor_ms(model: Any, sizes: Sequence[int], limits: dict[str, float]) -> dict[int, float]:
     """``{tokens: ms}``: the least time that many rows can take through ``model``'s linear layers (its LM head
     included) on a machine of ``limits``: the longer of reading every weight once and doing the multiply-adds at the
-    GEMM rate. The rest of a forward (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside
-    the measured curve."""
+    cores' peak (``fma_gflops``; the GEMM rate ``gflops`` where that was not measured). The rest of a forward
+    (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside the measured curve."""
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     read_ms = weights * 4 / (limits["read_gb_s"] * 1e9) * 1e3
-    return {n: max(read_ms, 2 * weights * n / (limits["gflops"] * 1e9) * 1e3) for n in sizes}
+    rate = limits.get("fma_gflops") or limits["gflops"]
+    return {n: max(read_ms, 2 * weights * n / (rate * 1e9) * 1e3) for n in sizes}

@@ -11,7 +11,14 @@ from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.report import markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
 from selfspec.cli.checks import positive_int, positive_ints, probability, temperature
-from selfspec.runtime.kernels import BACKENDS, set_linear_backend
+from selfspec.runtime.kernels import (
+    BACKENDS,
+    DRAFT_WEIGHTS,
+    draft_backend,
+    draft_weights,
+    set_draft_weights,
+    set_linear_backend,
+)
 from selfspec.runtime.models import is_test_model, load_model
 
 
@@ -31,13 +38,18 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
                         help="kernels for the linear layers (selfspec.runtime.kernels): stock, onednn, or skinny (this "
                              "project's, built for the CPU on first use); auto (default) times each on this machine "
                              "and keeps the fastest")
+    parser.add_argument("--draft-weights", default="float16", choices=list(DRAFT_WEIGHTS),
+                        help="what drafters' own layers read on the skinny backend: float16 copies of their weights "
+                             "(default: half a draft step's memory traffic; drafts only propose, the float32 model "
+                             "verifies every token) or float32")
 
 
 def apply_backend(model, args: argparse.Namespace) -> str:
     """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
     backend = set_linear_backend(model, args.linear_backend)
+    set_draft_weights(getattr(args, "draft_weights", "float16"))
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else "")
-          + f"; attention: {attention_of(model)}", flush=True)
+          + f"; attention: {attention_of(model)}; draft weights: {draft_backend(backend)}", flush=True)
     return backend
 
 
@@ -85,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "num_prompts": len(prompts),
               "methods": list(bench_run.generations), **settings.to_dict(),
               "warmup_tokens": args.warmup_tokens, "linear_backend": backend, "attention": attention_of(model),
-              **environment()}
+              "draft_weights": draft_weights(), **environment()}
     results = {"methods": summarize(model, bench_run), "config": config}
     paths = write_results(results, args.out)
     print(markdown_table(results))
@@ -105,7 +117,7 @@ def _run_batched(args, model, prompts, specs, settings, backend: str) -> int:
     results = run_batched(model, prompts, specs, args.batch_sizes, settings, progress=not args.quiet)
     results["config"] = {"model": args.model, "prompts": args.prompts, "num_prompts": len(prompts),
                          "methods": specs, **settings.to_dict(), "linear_backend": backend,
-                         "attention": attention_of(model), **environment()}
+                         "attention": attention_of(model), "draft_weights": draft_weights(), **environment()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results-batched.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

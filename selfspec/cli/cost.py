@@ -2,10 +2,11 @@
 
 Prints, per token count, the median forward ms over 256 cached tokens and its ratio to the 1-token forward (what a
 tree of that many nodes costs against a plain step), and the floor of the linear layers on this machine: the longer
-of reading every weight once and doing their multiply-adds at the rate of a large GEMM (both measured first). Where
+of reading every weight once and doing their multiply-adds at the cores' peak rate (both measured first). Where
 the floor itself rises with the tokens, the linears are compute-bound and no kernel makes that tree cost what one
 token costs. ``--json`` prints one object ``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..},
-"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops"}``.
+"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops"}`` (``gflops``: a large GEMM through PyTorch's BLAS;
+``fma_gflops``: the multiply-add peak the floor uses, null where the skinny extension does not build).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
               "ms": {str(n): ms for n, ms in curves[chosen].items()},
               "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},
               "floor_ms": {str(n): ms for n, ms in floor.items()},
-              "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"]}
+              "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops")}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -69,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
             cells.append(f"{curves['stock'][n]:.1f} ({curves['stock'][n] / stock_one:.2f}x)")
         cells.append(f"{floor[n]:.1f} ({floor[n] / floor[1]:.2f}x)")
         print(f"| {n} | " + " | ".join(cells) + " |")
+    rate = (f"the cores' multiply-add peak ({limits['fma_gflops']:.0f} GFLOPS measured; a large GEMM through "
+            f"PyTorch: {limits['gflops']:.0f})" if limits.get("fma_gflops")
+            else f"a large GEMM's rate ({limits['gflops']:.0f} GFLOPS measured)")
     print(f"linear floor: the longer of reading the linear weights once ({limits['read_gb_s']:.0f} GB/s measured) and "
-          f"their multiply-adds at a large GEMM's rate ({limits['gflops']:.0f} GFLOPS measured); attention, norms and "
-          "dispatch come on top")
+          f"their multiply-adds at {rate}; attention, norms and dispatch come on top")
     return 0

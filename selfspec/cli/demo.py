@@ -16,7 +16,7 @@ from decoding import combine
 from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.runtime.adapters import adapter_spec
-from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt
 
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     model.eval()
     backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
+    set_draft_weights(args.draft_weights)
     heads_drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on wrong heads
     drafter = combine(heads_drafter, LookupDrafter()) if args.lookup else heads_drafter
     input_ids = encode_prompt(tokenizer, args.prompt)

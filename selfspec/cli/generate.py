@@ -12,7 +12,7 @@ from decoding import available_drafters, generate, make_drafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_int, probability, temperature
 from selfspec.runtime.adapters import adapter_spec
-from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import DEFAULT_MODEL, load_model
 from selfspec.runtime.prompts import encode_prompt, read_prompts
 
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         model_name = args.heads  # heads trained with a LoRA backbone (Medusa-2, LayerSkip) decode the adapted model
     model, tokenizer = load_model(model_name)
     set_linear_backend(model, args.linear_backend)
+    set_draft_weights(args.draft_weights)
     drafter = make_drafter(args.draft, model, args.heads, **options)
     if args.batch_size > 1:
         return _run_batches(args, model, tokenizer, drafter, prompts)

@@ -21,6 +21,12 @@ runs forwards of a few queries on its own attention kernel (``attention.SKINNY_A
 layers on a lean forward over its kernels (``selfspec.runtime.lean``); ``stock`` is PyTorch and transformers as
 shipped.
 
+A drafter's own linear layers (Medusa heads, the feature drafter, an early-exit adapter and draft head) follow the
+base model's backend (``follow_backend``), and on ``skinny`` they read float16 copies of their weights
+(``draft_backend``, ``set_draft_weights``): a draft only proposes tokens that the float32 model then verifies, so
+its weights' precision can change what is accepted, never what is output, and half the bytes is half the memory
+traffic of a draft step, which on a CPU is what a draft step costs.
+
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
 tree forward's batched matmuls versus plain decoding's one row. Benchmarks run every method on one backend and
@@ -42,6 +48,10 @@ from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
 from selfspec.runtime.lean import use_lean_layers
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
+#: float16 weights on the skinny kernel: what drafters' layers run on where the base runs on ``skinny``
+SKINNY_HALF = "skinny-f16"
+DRAFT_WEIGHTS = ("float16", "float32")
+_draft_weights = "float16"
 _STATE = "_selfspec_linear_backend"
 _KERNEL_CACHE = "_selfspec_linear_kernels"
 # oneDNN's linear on dense activations against a packed weight (what Inductor's CPU freezing uses): the same
@@ -133,7 +143,18 @@ class _SkinnyLinear(_PackedLinear):
         return skinny.linear(rows, self._weight, self.module.out_features, bias)
 
 
-_KERNELS = {"onednn": _OneDNNLinear, "skinny": _SkinnyLinear}
+class _SkinnyHalfLinear(_SkinnyLinear):
+    """The skinny kernel over float16 panels of the weight (``skinny.pack(..., half=True)``); a weight beyond
+    float16's range (|w| > 65504) keeps float32 panels."""
+
+    backend = SKINNY_HALF
+
+    def _pack(self, weight, bias):
+        half = bool(weight.abs().max() <= torch.finfo(torch.float16).max) if weight.numel() else True
+        return skinny.pack(weight, half=half), None
+
+
+_KERNELS = {"onednn": _OneDNNLinear, "skinny": _SkinnyLinear, SKINNY_HALF: _SkinnyHalfLinear}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -198,8 +219,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
 
 
 def set_module_backend(module: nn.Linear, backend: str) -> None:
-    """Run one linear layer on ``backend`` (``stock``, ``onednn`` or ``skinny``; no availability check: see
-    ``set_linear_backend``)."""
+    """Run one linear layer on ``backend`` (``stock``, ``onednn``, ``skinny`` or ``SKINNY_HALF``; no availability
+    check: see ``set_linear_backend``)."""
     current = module.__dict__.get("forward")
     if isinstance(current, _PackedLinear) and current.backend != backend:
         del module.forward  # back to nn.Linear.forward
@@ -210,14 +231,52 @@ def set_module_backend(module: nn.Linear, backend: str) -> None:
         module.forward = kernels.setdefault(backend, _KERNELS[backend](module))
 
 
+def set_draft_weights(dtype: str) -> None:
+    """What drafters' own linear layers read where the base runs on ``skinny``: ``"float16"`` (the default) or
+    ``"float32"`` copies of their weights. Takes effect at the next ``begin`` of a drafter.
+
+    Raises:
+        ValueError: another dtype.
+    """
+    global _draft_weights
+    if dtype not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft weights {dtype!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
+    _draft_weights = dtype
+
+
+def draft_weights() -> str:
+    return _draft_weights
+
+
+def draft_backend(backend: str) -> str:
+    """The backend a drafter's layers run on when the base runs on ``backend``: ``skinny`` with float16 weights
+    (``SKINNY_HALF``) unless ``set_draft_weights("float32")``; other backends as they are."""
+    return SKINNY_HALF if backend == "skinny" and _draft_weights == "float16" else backend
+
+
 def follow_backend(model: nn.Module, layers: Callable[[], Iterable[nn.Linear]], current: str) -> str:
-    """Put a drafter's own linear ``layers()`` on the backend ``model`` runs on, when it differs from ``current``
-    (what they were last put on); returns the model's backend, the new ``current``."""
-    backend = linear_backend_of(model)
+    """Put a drafter's own linear ``layers()`` on the backend of drafts where ``model`` runs (``draft_backend``),
+    when it differs from ``current`` (what they were last put on); returns it, the new ``current``."""
+    backend = draft_backend(linear_backend_of(model))
     if backend != current:
         for layer in layers():
             set_module_backend(layer, backend)
     return backend
+
+
+@contextlib.contextmanager
+def drafting_with(modules: Iterable[nn.Linear]) -> Iterator[None]:
+    """Inside the block, the base model's ``modules`` run as a draft's layers (an early exit's shallow layers): on
+    float16 panels (``SKINNY_HALF``) where they run on ``skinny`` and draft weights are float16; back on their
+    float32 panels after it, whatever happens inside. Each keeps both packed copies, so switching is cheap."""
+    switched = [m for m in modules if module_backend(m) == "skinny"] if _draft_weights == "float16" else []
+    for module in switched:
+        set_module_backend(module, SKINNY_HALF)
+    try:
+        yield
+    finally:
+        for module in switched:
+            set_module_backend(module, "skinny")
 
 
 @contextlib.contextmanager

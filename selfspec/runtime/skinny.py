@@ -122,9 +122,11 @@ def unavailable_reason() -> str | None:
     return None if available() else _error
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``[out, in]`` float32 weight -> the kernel's panel layout (a new tensor; the parameter is untouched)."""
-    return extension().pack(weight.detach())
+def pack(weight: torch.Tensor, half: bool = False) -> torch.Tensor:
+    """``[out, in]`` float32 weight -> the kernel's panel layout (a new tensor; the parameter is untouched). ``half``:
+    float16 panels (rounded to nearest), which ``linear`` widens to float32 as it loads them: half the memory a call
+    streams, for drafters' layers only (a draft only proposes; the verified model keeps float32)."""
+    return extension().pack(weight.detach(), half)
 
 
 _attention_dims: dict[int, bool] = {}
@@ -153,6 +155,12 @@ def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
     as ``residual + linear(rows)`` adds it); ``n`` should be at most ``MAX_ROWS``."""
     module = _module if _module is not None else extension()  # built: no lock on the decode path
     return module.linear(rows, packed, out_features, bias, residual)  # reads the data only: no autograd
+
+
+def fma_peak_gflops(iterations: int = 2_000_000) -> float:
+    """The float32 multiply-add rate (GFLOPS) this build's vectors reach on torch's threads, from register-resident
+    chains (no memory traffic; ~20 ms at the default)."""
+    return float(extension().fma_peak_gflops(int(iterations)))
 
 
 def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,6 +35,21 @@ def test_linear_floor_is_the_longer_of_reading_the_weights_and_computing():
     floor = linear_floor_ms(model, [1, 3], limits)
     assert floor[1] == pytest.approx(4 * weights / 1e6)  # reading fp32 weights: 4 B each
     assert floor[3] == pytest.approx(6 * weights / 1e6)  # 2 flops per weight per row
+    # the cores' multiply-add peak, where measured, is the compute side of the floor (not the BLAS GEMM's rate)
+    floor = linear_floor_ms(model, [3], {**limits, "fma_gflops": 3.0})
+    assert floor[3] == pytest.approx(4 * weights / 1e6)  # 6 flops per weight at 3 flop/ns: reading is longer now
+
+
+def test_fma_peak_is_measured_from_registers():
+    from selfspec.runtime import skinny
+
+    if not skinny.available():
+        pytest.skip(f"the skinny extension does not build here: {skinny.unavailable_reason()}")
+    torch.set_num_threads(1)
+    one = max(skinny.fma_peak_gflops(200_000) for _ in range(3))
+    # at least one vector FMA every two cycles of a 1 GHz core, and no more than 4 a cycle at 6 GHz
+    lanes = skinny.extension().lanes()
+    assert 2 * lanes * 0.5 <= one <= 2 * lanes * 4 * 6
 
 
 def test_table_names_the_cpu_and_the_ratios(capsys):

@@ -7,8 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.runtime import skinny
-from selfspec.runtime.kernels import linear_backend_of, set_linear_backend
+from selfspec.runtime import kernels, skinny
+from selfspec.runtime.kernels import (
+    SKINNY_HALF,
+    linear_backend_of,
+    module_backend,
+    set_draft_weights,
+    set_linear_backend,
+)
 from selfspec.testing import (
     assert_linear_backend_is_exact_and_lossless,
     assert_random_trees_decode_losslessly,
@@ -133,6 +139,7 @@ def test_build_key_follows_the_cpu_and_the_source(monkeypatch):
 def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built, monkeypatch):
     from medusa import MedusaHeads
 
+    monkeypatch.setattr(kernels, "_draft_weights", "float16")  # restored after the test
     model = tiny_model("llama", dtype=torch.float32)
     heads = MedusaHeads.for_model(model, num_heads=2, draft_vocab_size=40)
     heads.set_draft_vocab(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40])
@@ -145,7 +152,18 @@ def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built,
         set_linear_backend(model, "skinny")
         fast, fast_ids = heads.draft_logits(features)
     assert calls == [6]  # one call for both heads' 3 rows, against the 40-token slice of the LM head
-    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
+    # a draft head reads float16 panels of its weights (kernels.draft_backend): exactly those weights' product
+    head = heads._draft_head
+    assert module_backend(head) == SKINNY_HALF
+    exact = torch.nn.functional.linear(features, head.weight.detach().half().float())
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, stock, rtol=1e-2, atol=1e-2)
+    set_draft_weights("float32")  # float32 drafts: stock's product again
+    with torch.inference_mode():
+        heads._draft_head = None
+        full, _ = heads.draft_logits(features)
+    assert module_backend(heads._draft_head) == "skinny"
+    torch.testing.assert_close(full, stock, rtol=1e-5, atol=1e-5)
     assert fast.shape == (2, 1, 3, 40) and fast_ids is ids is heads.draft_vocab
 
 
@@ -343,8 +361,8 @@ def test_rope_equals_transformers_rotary_in_place(built, head_dim, batch, positi
     position_sin = sin.reshape(-1, head_dim)[2 % (positions_batch * n):][:1].contiguous()
     assert torch.equal(skinny.rope_(one, position, position_sin, head_dim)[0], rows[2])
     with pytest.raises(RuntimeError, match="head dim"):
-        skinny.rope_(rows, cos.reshape(-1, head_dim)[:, :-2].contiguous(), sin.reshape(-1, head_dim)[:, :-2].contiguous(),
-                     head_dim)
+        short = cos.reshape(-1, head_dim)[:, :-2].contiguous()
+        skinny.rope_(rows, short, short, head_dim)
 
 
 @pytest.mark.parametrize("width", [1536, 16, 37, 5])
@@ -359,3 +377,66 @@ def test_silu_mul_equals_silu_times_up_at_every_magnitude(built, width):
     assert torch.isfinite(got).all()
     # element by element: a row alone (a one-token step) gets exactly what it gets among others (a tree)
     assert torch.equal(skinny.silu_mul_(gate[3:4].clone(), up[3:4].contiguous()), got[3:4])
+
+
+# ---- float16 weights for drafters' layers (kernels.SKINNY_HALF) ----
+
+
+@pytest.mark.parametrize("rows", [*range(1, 26)])
+def test_half_panels_compute_the_float16_rounded_weights_product(built, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(70, 45, generator=gen), torch.randn(70, generator=gen)
+    x, residual = torch.randn(rows, 45, generator=gen), torch.randn(rows, 70, generator=gen)
+    packed = skinny.pack(weight, half=True)
+    assert packed.dtype == torch.float16 and packed.shape == skinny.pack(weight).shape
+    rounded = weight.half().float()
+    torch.testing.assert_close(skinny.linear(x, packed, 70, bias), torch.nn.functional.linear(x, rounded, bias),
+                               rtol=1e-5, atol=1e-5)
+    # the same float32 sums as float32 panels holding the rounded weights: the kernel only widens on load
+    assert torch.equal(skinny.linear(x, packed, 70, bias, residual), skinny.linear(x, skinny.pack(rounded), 70, bias,
+                                                                                      residual))
+
+
+def test_a_weight_beyond_float16_keeps_float32_panels(built):
+    layer = torch.nn.Linear(8, 20)
+    with torch.no_grad():
+        layer.weight[3, 2] = 1e6
+    kernels.set_module_backend(layer, SKINNY_HALF)
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5,
+                                   atol=1e-3)
+    assert layer.forward._weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("draft", ["eagle", "early-exit"])
+def test_drafters_draft_on_float16_weights_and_stay_lossless(built, draft, monkeypatch):
+    from decoding.generate import generate
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from early_exit.drafter import EarlyExitDrafter
+    from selfspec.testing import attention_classifier, eagle_draft, greedy_reference, random_prompt
+
+    monkeypatch.setattr(kernels, "_draft_weights", "float16")
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    if draft == "eagle":
+        module = eagle_draft(model, seed=7, draft_vocab_size=60)
+        drafter = EagleDrafter(model, module, EaglePolicy(depth=4, nodes=8, top_k=2, width=2))
+        layers = module.linear_layers
+    else:
+        classifier = attention_classifier(model, exit_layer=1)
+        drafter = EarlyExitDrafter(model, classifier)
+        layers = lambda: classifier.linear_layers(model)  # noqa: E731
+    taus = {}
+    for weights in ("float16", "float32"):
+        set_draft_weights(weights)
+        for n, new in ((1, 9), (5, 30), (19, 17)):
+            ids = random_prompt(n, seed=n)
+            out = generate(model, drafter, ids, max_new_tokens=new)
+            assert torch.equal(out.sequences, greedy_reference(model, ids, new)), (draft, weights, n)
+            taus[weights, n] = out.stats.tau
+        expected = SKINNY_HALF if weights == "float16" else "skinny"
+        assert {module_backend(m) for m in layers()} == {expected}, weights
+        if draft == "early-exit" and weights == "float16":  # its shallow base layers drafted on float16 copies
+            assert drafter._linears and all(SKINNY_HALF in m.__dict__[kernels._KERNEL_CACHE] for m in drafter._linears)
+        assert all(module_backend(m) == "skinny" for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -21,9 +21,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -36,23 +41,40 @@ constexpr int kLanes = 8;  // 16 vector registers (AVX2; also the generic fallba
 typedef float vec __attribute__((vector_size(kLanes * 4), aligned(kLanes * 4)));
 typedef float vec_unaligned __attribute__((vector_size(kLanes * 4), aligned(4)));
 
+// One panel row of weights as a vector of floats: float32 panels as they are, float16 panels (a drafter's weights,
+// see `pack`) widened on load, one instruction per vector where the CPU converts half floats (F16C, AVX-512).
+inline vec load_weights(const float* p) { return *reinterpret_cast<const vec*>(p); }
+
+inline vec load_weights(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  static_assert(kLanes == 8, "an AVX2 panel is 8 floats");
+  return (vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 // One tile: rows [0, R) of x against panels [panel, panel + C), written to out (row stride M). With Prefetch, each
 // step also requests the matching line of the next C panels (the next tile's streams, contiguous after these), so
 // the next tile's weights arrive while this one computes. They are requested into L2 (locality 2), not L1: a tile's
 // panels are C x K x 64 bytes (74-110 KB for SmolLM2), more than an L1, and pulling the next tile into L1 evicted the
 // panels the current tile still reads.
-template <int R, int C, bool Prefetch>
-inline void tile(const float* __restrict x, int64_t K, const float* __restrict packed, int64_t panel,
+template <typename W, int R, int C, bool Prefetch>
+inline void tile(const float* __restrict x, int64_t K, const W* __restrict packed, int64_t panel,
                  float* __restrict out, int64_t M, const float* __restrict bias, const float* __restrict residual) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vec{};
-  const float* streams[C];
+  const W* streams[C];
   for (int c = 0; c < C; ++c) streams[c] = packed + (panel + c) * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     vec w[C];
-    for (int c = 0; c < C; ++c) w[c] = *reinterpret_cast<const vec*>(streams[c] + k * kLanes);
-    if (Prefetch && (k & (64 / (kLanes * 4) - 1)) == 0)  // one request per 64-byte line
+    for (int c = 0; c < C; ++c) w[c] = load_weights(streams[c] + k * kLanes);
+    if (Prefetch && (k & (64 / (kLanes * sizeof(W)) - 1)) == 0)  // one request per 64-byte line
       for (int c = 0; c < C; ++c) __builtin_prefetch(streams[c] + C * K * kLanes + k * kLanes, 0, 2);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
@@ -78,25 +100,25 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
 }
 
 // A tile of n rows (0 < n <= R) against panels [panel, panel + C), the row count dispatched to its instantiation.
-template <int C, bool Prefetch, int R>
-inline void tile_n(int64_t n, const float* x, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
+template <typename W, int C, bool Prefetch, int R>
+inline void tile_n(int64_t n, const float* x, int64_t K, const W* packed, int64_t panel, float* out, int64_t M,
                    const float* bias, const float* residual) {
   if constexpr (R > 0) {
-    if (n == R) tile<R, C, Prefetch>(x, K, packed, panel, out, M, bias, residual);
-    else tile_n<C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias, residual);
+    if (n == R) tile<W, R, C, Prefetch>(x, K, packed, panel, out, M, bias, residual);
+    else tile_n<W, C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias, residual);
   }
 }
 
 // All n rows against panels [panel, panel + C): blocks of Rows rows, then the remainder, while the panels are in
 // cache.
-template <int Rows, int C, bool Prefetch>
-void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t panel, float* out, int64_t M,
+template <typename W, int Rows, int C, bool Prefetch>
+void rows(const float* x, int64_t n, int64_t K, const W* packed, int64_t panel, float* out, int64_t M,
           const float* bias, const float* residual) {
   int64_t r = 0;
   for (; r + Rows <= n; r += Rows)
-    tile<Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias, residual ? residual + r * M : nullptr);
+    tile<W, Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias, residual ? residual + r * M : nullptr);
   if (n > r)
-    tile_n<C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias,
+    tile_n<W, C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias,
                                   residual ? residual + r * M : nullptr);
 }
 
@@ -106,13 +128,13 @@ void rows(const float* x, int64_t n, int64_t K, const float* packed, int64_t pan
 constexpr int64_t kPrefetchRows = 5;
 
 // Panels [begin, end) in groups of C (then one by one), each group against all n rows in tiles of Rows rows.
-template <int Rows, int C>
-void panels(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
+template <int Rows, int C, typename W>
+void panels(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
             const float* residual, int64_t begin, int64_t end) {
   constexpr bool prefetch = Rows >= kPrefetchRows;
   int64_t p = begin;
-  for (; p + C <= end; p += C) rows<Rows, C, prefetch>(x, n, K, packed, p, out, M, bias, residual);
-  for (; p < end; ++p) rows<Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias, residual);
+  for (; p + C <= end; p += C) rows<W, Rows, C, prefetch>(x, n, K, packed, p, out, M, bias, residual);
+  for (; p < end; ++p) rows<W, Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias, residual);
 }
 
 // The tile shape for n rows. The weights are the traffic: each weight vector loaded is used by every row of its
@@ -121,7 +143,8 @@ void panels(const float* x, int64_t n, int64_t K, const float* packed, float* ou
 // (more weight streams in flight). A second row tile over the same panels re-reads them from cache but does not
 // overlap that with the memory stream: on a 2-core Xeon (AVX-512) SmolLM2's linears at 12 rows took 28 ms as
 // 8 + 4 rows x 3 panels and 21 ms as one 12-row x 2-panel tile, at 16 rows 28.6 -> 24.5 ms (16 x 1).
-void dispatch(const float* x, int64_t n, int64_t K, const float* packed, float* out, int64_t M, const float* bias,
+template <typename W>
+void dispatch(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
               const float* r, int64_t begin, int64_t end) {
 #ifdef __AVX512F__
   if (n == 1) panels<1, 8>(x, n, K, packed, out, M, bias, r, begin, end);
@@ -159,11 +182,13 @@ int64_t parallel_threads() {
   return seen.load();
 }
 
-torch::Tensor pack(const torch::Tensor& weight) {
+// half: the panels in float16 (rounded to nearest), half the bytes a call streams; for drafters, whose outputs only
+// propose tokens (verification decides every one), never for the model being verified.
+torch::Tensor pack(const torch::Tensor& weight, bool half) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
               "skinny_linear.pack: expected a 2-D float32 CPU weight, got ", weight.sizes(), " ", weight.dtype());
   const int64_t M = weight.size(0), K = weight.size(1), blocks = (M + kLanes - 1) / kLanes;
-  auto padded = torch::zeros({blocks * kLanes, K}, weight.options());
+  auto padded = torch::zeros({blocks * kLanes, K}, weight.options().dtype(half ? torch::kHalf : torch::kFloat32));
   padded.narrow(0, 0, M).copy_(weight);
   // [blocks, L, K] -> [blocks, K, L]
   return padded.view({blocks, kLanes, K}).transpose(1, 2).contiguous();
@@ -175,7 +200,8 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
               "skinny_linear.linear: expected 2-D float32 CPU rows, got ", input.sizes(), " ", input.dtype());
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == input.size(1) &&
-                  packed.size(0) * kLanes >= out_features && packed.is_contiguous(),
+                  packed.size(0) * kLanes >= out_features && packed.is_contiguous() &&
+                  (packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kHalf),
               "skinny_linear.linear: packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
               " and ", out_features, " outputs");
   const auto x = input.contiguous();
@@ -196,13 +222,19 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
     res = res.contiguous();
   }
   const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, blocks / (4 * at::get_num_threads()));
-  at::parallel_for(0, blocks, grain,
-                   [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  if (packed.scalar_type() == torch::kHalf) {
+    const at::Half* pp = packed.data_ptr<at::Half>();
+    at::parallel_for(0, blocks, grain,
+                     [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  } else {
+    const float* pp = packed.data_ptr<float>();
+    at::parallel_for(0, blocks, grain,
+                     [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  }
   return out;
 }
 
@@ -576,13 +608,43 @@ void silu_mul_(torch::Tensor& gate, const torch::Tensor& up) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The multiply-add rate this build's vectors reach on PyTorch's threads: independent chains of fused multiply-adds
+// in registers, no memory traffic. BLAS benchmarks understate it on some CPUs (MKL's large GEMM reached 216 of the
+// 510 GFLOPS this measures on a 2-core Zen 5, and the skinny kernel itself 340 at 24 rows), so the compute floor of
+// `selfspec cost` is taken from here. Returns GFLOPS over the wall time of one parallel region.
+double fma_peak_gflops(int64_t iterations) {
+  constexpr int kChains = 12;  // enough independent chains to cover the FMA latency on two pipes
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> ran{0};
+  std::vector<float> sink(threads * 64, 0.0f);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      vec acc[kChains];
+      for (int c = 0; c < kChains; ++c) acc[c] = vec{} + 0.001f * static_cast<float>(c + t);
+      const vec a = vec{} + 0.999999f, b = vec{} + 1e-7f;
+      for (int64_t i = 0; i < iterations; ++i)  // no -ffast-math: float math is not re-associated or folded
+        for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * a + b;
+      vec total{};
+      for (int c = 0; c < kChains; ++c) total += acc[c];
+      sink[t * 64] = hsum(total);
+      ran.fetch_add(1);
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return 2.0 * kChains * kLanes * static_cast<double>(iterations) * static_cast<double>(ran.load()) / seconds / 1e9;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "floats per panel (the vector width the kernel was built for)");
   m.def("parallel_threads", &parallel_threads, "threads a parallel region of this module runs on");
-  m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes]");
+  m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes] (float16 with half=True)",
+        py::arg("weight"), py::arg("half") = false);
   m.def("linear", &linear, "rows [n, K] x packed panels -> [n, out_features] (+ bias) (+ residual)",
         py::arg("input"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
+  m.def("fma_peak_gflops", &fma_peak_gflops, "float32 multiply-add rate of this build's vectors on torch's threads");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row: weight * x * rsqrt(mean(x^2) + eps)");
   m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on rows [n, heads * head_dim]");
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up, in place");
