@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.runtime import lean, skinny
 from selfspec.runtime.attention import LayerCache
 from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 
@@ -160,6 +161,11 @@ class EagleDraftModel(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(lm_head.weight[draft_vocab].to(self.lm_head.weight.dtype))
         self.requires_grad_(True)  # the norm copied from the frozen base came frozen
+        # a lean decode step (selfspec.runtime.lean.block) fits a Llama-family layer with SiLU MLP and RMSNorms
+        self._lean_ok = (not hasattr(attn, "q_norm") and getattr(base_config, "hidden_act", None) == "silu"
+                         and all(hasattr(n, "variance_epsilon") for n in (self.layer.input_layernorm, self.hidden_norm,
+                                                                          self.layer.post_attention_layernorm))
+                         and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
         # The base's modules, held outside the module tree: never trained, never saved.
         self._base = (base_model,)
         self.refresh_shared()
@@ -215,9 +221,24 @@ class EagleDraftModel(nn.Module):
         """
         embeds = self.embed(next_ids).to(hidden.dtype)
         layer = self.layer
-        x = torch.cat([layer.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         rotary = self.base_model.get_decoder().rotary_emb
         position_embeddings = rotary(hidden, position_ids=position_ids)
+        batch, n, width = hidden.shape
+        kernels = lean.layer_kernels(layer, batch * n, hidden.dtype, hidden.device) if self._lean_ok else None
+        interface = lean.attention_interface(layer.self_attn) if kernels is not None else None
+        if interface is not None and position_embeddings[0].shape[-1] == layer.self_attn.head_dim:
+            # Decoding on the skinny backend: the same layer as one pass of fused kernels (selfspec.runtime.lean),
+            # without the module calls and the ~25 small tensor ops around its seven matmuls.
+            residual = hidden.reshape(batch * n, width).contiguous()
+            first, second = layer.input_layernorm, self.hidden_norm
+            x = torch.cat([skinny.rms_norm(embeds.reshape(batch * n, width).contiguous(), first.weight,
+                                           first.variance_epsilon),
+                           skinny.rms_norm(residual, second.weight, second.variance_epsilon)], dim=-1)
+            update = (cache.update if cache is not None else lambda k, v: (k, v))
+            out = lean.block(layer, kernels, x, residual, batch, n, position_embeddings, attention_mask, interface,
+                             update)
+            return out.view(batch, n, width)
+        x = torch.cat([layer.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, cache=cache)
         hidden = hidden + attn
@@ -225,10 +246,17 @@ class EagleDraftModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., draft_vocab_size]`` of draft outputs ``[..., hidden]``."""
-        normed = self.norm(hidden)
+        shared = self.shared_head
+        head = self.lm_head if self.lm_head is not None else shared
+        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and lean.is_lean_kernel(head.__dict__.get("forward"))):
+            # decoding on the skinny backend: the final RMSNorm as one pass (as the lean layers run theirs)
+            rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+            normed = skinny.rms_norm(rows, self.norm.weight, self.norm.variance_epsilon).view(hidden.shape)
+        else:
+            normed = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(normed)
-        shared = self.shared_head
         if normed.dtype != shared.weight.dtype:
             bias = None if shared.bias is None else shared.bias.to(normed.dtype)
             return F.linear(normed, shared.weight.to(normed.dtype), bias)

@@ -78,6 +78,71 @@ def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
     return len(layers) if enabled else 0
 
 
+def _skinny_linear_class():
+    from selfspec.runtime.kernels import _SkinnyLinear  # kernels imports this module
+
+    return _SkinnyLinear
+
+
+def is_lean_kernel(forward) -> bool:
+    """``forward`` (a linear layer's ``__dict__["forward"]``) is the skinny kernel: its module runs on the skinny
+    backend, where the extension's fused operations are built."""
+    return isinstance(forward, _skinny_linear_class())
+
+
+def layer_kernels(layer: nn.Module, rows: int, dtype: torch.dtype, device: torch.device,
+                  skinny_linear: type | None = None) -> tuple | None:
+    """The skinny kernels of ``layer``'s seven linears (q, k, v, o, gate, up, down) when a lean pass over ``rows``
+    rows can run on them now (no gradients, not training, float32 CPU rows, at most ``skinny.MAX_ROWS``, every
+    linear on the skinny kernel with its weights packed as they are); None otherwise."""
+    if (torch.is_grad_enabled() or layer.training or dtype != torch.float32 or device.type != "cpu"
+            or not 0 < rows <= skinny.MAX_ROWS):
+        return None
+    skinny_linear = skinny_linear or _skinny_linear_class()
+    linears = _linears(layer)
+    kernels = tuple(m.__dict__.get("forward") for m in linears)
+    if not all(isinstance(k, skinny_linear) and k._current(m._parameters["weight"], m._parameters.get("bias"))
+               for k, m in zip(kernels, linears)):
+        return None
+    return kernels
+
+
+def attention_interface(attn: nn.Module):
+    """transformers' attention function for ``attn``'s configured implementation; None for eager attention (which
+    only the class forward runs)."""
+    name = attn.config._attn_implementation
+    get_interface = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)  # older 5.x: a plain mapping
+    return get_interface(name, None) if get_interface else ALL_ATTENTION_FUNCTIONS.get(name)
+
+
+def _run(kernel, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    module = kernel.module
+    return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"), residual)
+
+
+def block(layer: nn.Module, kernels: tuple, x: torch.Tensor, residual: torch.Tensor, batch: int, n: int,
+          position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask, interface, update,
+          **kwargs) -> torch.Tensor:
+    """One pre-norm decoder layer on the skinny extension, from its normed attention input: ``x`` ``[rows, in]``
+    (``input_layernorm`` already applied: a feature drafter's layer reads two normed halves), ``residual`` ``[rows,
+    hidden]`` the stream it adds to; ``update(k, v)`` stores the new keys and values ``[batch, kv_heads, n, d]``
+    and returns every key and value to attend to. Returns the layer's output ``[rows, hidden]``."""
+    q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
+    attn = layer.self_attn
+    d = attn.head_dim
+    cos, sin = position_embeddings
+    cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+    q = skinny.rope_(_run(q_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+    k = skinny.rope_(_run(k_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+    v = _run(v_k, x).view(batch, n, -1, d).transpose(1, 2)
+    k, v = update(k, v)
+    out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+    h = _run(o_k, out.reshape(batch * n, -1), residual)
+    norm = layer.post_attention_layernorm
+    y = skinny.rms_norm(h, norm.weight, norm.variance_epsilon)
+    return _run(down_k, skinny.silu_mul_(_run(gate_k, y), _run(up_k, y)), h)
+
+
 class _LeanForward:
     """A decoder layer's ``forward`` (see the module docstring); ``calls`` counts the calls it took itself."""
 
@@ -85,9 +150,7 @@ class _LeanForward:
         self.layer = layer
         self.calls = 0
         self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
-        from selfspec.runtime.kernels import _SkinnyLinear  # kernels imports this module
-
-        self.skinny_linear = _SkinnyLinear  # resolved once, not on every layer call
+        self.skinny_linear = _skinny_linear_class()  # resolved once, not on every layer call
 
     def _fallback(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -98,53 +161,32 @@ class _LeanForward:
         layer = self.layer
         shape = hidden_states.shape
         rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
-        linears = _linears(layer)
-        kernels = [m.__dict__.get("forward") for m in linears]
-        if (torch.is_grad_enabled() or layer.training or hidden_states.dtype != torch.float32
-                or hidden_states.device.type != "cpu" or not 0 < rows <= skinny.MAX_ROWS or position_embeddings is None
-                or kwargs.get("output_attentions") or not all(isinstance(k, self.skinny_linear) for k in kernels)
-                or not all(k._current(m._parameters["weight"], m._parameters.get("bias"))
-                           for k, m in zip(kernels, linears))):
-            return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        name = layer.self_attn.config._attn_implementation
-        get_interface = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)  # older 5.x: a plain mapping
-        interface = get_interface(name, None) if get_interface else ALL_ATTENTION_FUNCTIONS.get(name)
-        if interface is None:  # eager attention: transformers' own function, through the class forward
-            return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
-        q_m, k_m, v_m, o_m, gate_m, up_m, down_m = linears
+        kernels = layer_kernels(layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
         attn = layer.self_attn
-        batch, n, hidden = shape
-        d = attn.head_dim
-        cos, sin = position_embeddings
-        if cos.shape[-1] != d:  # partial rotary: not this forward's
+        interface = attention_interface(attn) if kernels is not None else None
+        if (kernels is None or interface is None or position_embeddings is None or kwargs.get("output_attentions")
+                or position_embeddings[0].shape[-1] != attn.head_dim):
+            # eager attention, partial rotary, anything a lean pass does not take: the layer class's own forward
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         self.calls += 1
-
-        def linear(x, kernel, module, residual=None):
-            return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"), residual)
-
-        residual = hidden_states.reshape(rows, hidden).contiguous()
-        norm = layer.input_layernorm
-        x = skinny.rms_norm(residual, norm.weight, norm.variance_epsilon)
-        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
-        q = skinny.rope_(linear(x, q_k, q_m), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
-        k = skinny.rope_(linear(x, k_k, k_m), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
-        v = linear(x, v_k, v_m).view(batch, n, -1, d).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        batch, n, hidden = shape
+        cache_kwargs = kwargs
         if self.passes_window:  # as Mistral's and Qwen2's attention pass it (only flash attention reads it)
             kwargs = {**kwargs, "sliding_window": getattr(attn, "sliding_window",
                                                           getattr(attn.config, "sliding_window", None))}
-        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-        h = linear(out.reshape(rows, -1), o_k, o_m, residual)
-        norm = layer.post_attention_layernorm
-        y = skinny.rms_norm(h, norm.weight, norm.variance_epsilon)
-        gated = skinny.silu_mul_(linear(y, gate_k, gate_m), linear(y, up_k, up_m))
-        return linear(gated, down_k, down_m, h).view(shape)
+        residual = hidden_states.reshape(rows, hidden).contiguous()
+        norm = layer.input_layernorm
+        x = skinny.rms_norm(residual, norm.weight, norm.variance_epsilon)
+        if cache is not None:
+            def update(k, v):
+                return cache.update(k, v, attn.layer_idx, kwargs=cache_kwargs)
+        else:
+            def update(k, v):
+                return k, v
+        out = block(layer, kernels, x, residual, batch, n, position_embeddings, attention_mask, interface, update,
+                    **kwargs)
+        return out.view(shape)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "supported", "use_lean_layers"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "layer_kernels", "supported", "use_lean_layers"]

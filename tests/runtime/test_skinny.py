@@ -440,3 +440,35 @@ def test_drafters_draft_on_float16_weights_and_stay_lossless(built, draft, monke
         if draft == "early-exit" and weights == "float16":  # its shallow base layers drafted on float16 copies
             assert drafter._linears and all(SKINNY_HALF in m.__dict__[kernels._KERNEL_CACHE] for m in drafter._linears)
         assert all(module_backend(m) == "skinny" for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monkeypatch):
+    from eagle.model import DraftCache
+    from selfspec.runtime import lean
+    from selfspec.testing import eagle_draft
+
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = eagle_draft(model, seed=3, draft_vocab_size=60)
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    features, ids = torch.randn(1, 5, hidden, generator=gen), torch.randint(0, 60, (1, 5), generator=gen)
+    positions = torch.arange(5)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+
+    def run():
+        cache = DraftCache()
+        with torch.inference_mode():
+            out = draft.step(features, ids, positions, mask, cache)
+            return out, draft.logits(out), cache.keys.clone()
+
+    stock = run()
+    calls = []
+    block = lean.block
+    monkeypatch.setattr(lean, "block", lambda *a, **k: calls.append(1) or block(*a, **k))
+    monkeypatch.setattr(kernels, "_draft_weights", "float32")  # the same float32 weights on both sides
+    set_linear_backend(model, "skinny")
+    kernels.follow_backend(model, draft.linear_layers, "stock")  # what the drafter's begin does
+    fast = run()
+    assert calls == [1]
+    for a, b in zip(fast, stock):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
