@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-from selfspec.runtime.attention import LayerCache, apply_rotary, causal_mask
+from selfspec.runtime import lean, skinny
+from selfspec.runtime.attention import LayerCache, apply_rotary, causal_mask, skinny_attention
 
 ADAPTER_KINDS = ("resblock", "attention")
 
@@ -69,6 +70,48 @@ class AttentionAdapter(nn.Module):
         for p in self.parameters():
             p.requires_grad_(True)
 
+    def _lean_kernels(self, hidden: torch.Tensor, attention_mask, cos: torch.Tensor) -> tuple | None:
+        """The skinny kernels of the block's linears when a draft step can run as one lean pass (decoding on the
+        skinny backend: no gradients, float32 CPU rows, few of them, a 4-D draft mask or none, full-width rotary);
+        None otherwise."""
+        rows = hidden.shape[0] * hidden.shape[1]
+        if (torch.is_grad_enabled() or hidden.dtype != torch.float32 or hidden.device.type != "cpu"  # (no dropout here)
+                or not 0 < rows <= skinny.MAX_ROWS or cos.shape[-1] != self.head_dim
+                or (attention_mask is not None and attention_mask.dim() != 4)
+                or (attention_mask is None and hidden.shape[1] != 1)):
+            return None
+        linears = [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
+        if self.down_proj is not None:
+            linears += [self.gate_proj, self.up_proj, self.down_proj]
+        found = tuple(m.__dict__.get("forward") for m in linears)
+        if not all(lean.is_lean_kernel(k) and k._current(m._parameters["weight"], m._parameters.get("bias"))
+                   for k, m in zip(found, linears)):
+            return None
+        return found
+
+    def _lean_forward(self, kernels: tuple, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attention_mask, cache) -> torch.Tensor:
+        """``forward`` at decode time on the skinny extension: the same block, one fused pass per norm, rotary and
+        SwiGLU, residuals in the GEMM epilogues, the attention kernel (see ``selfspec.runtime.lean``)."""
+        b, q, width = hidden.shape
+        d = self.head_dim
+        run = lean.run_kernel
+        residual = hidden.reshape(b * q, width).contiguous()
+        normed = skinny.rms_norm(residual, self.norm.weight, self.norm.variance_epsilon)
+        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        query = skinny.rope_(run(kernels[0], normed), cos, sin, d).view(b, q, -1, d).transpose(1, 2)
+        keys = skinny.rope_(run(kernels[1], normed), cos, sin, d).view(b, q, -1, d).transpose(1, 2)
+        values = run(kernels[2], normed).view(b, q, -1, d).transpose(1, 2)
+        if cache is not None:
+            keys, values = cache.append(keys, values)
+        # the attention kernel where it computes exactly (mask of the keys' length...), grouped SDPA otherwise
+        out, _ = skinny_attention(self, query, keys, values, attention_mask, scaling=d ** -0.5)  # [b, q, heads, d]
+        h = run(kernels[3], out.reshape(b * q, -1), residual)
+        if self.down_proj is not None:
+            m = skinny.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.variance_epsilon)
+            h = run(kernels[6], skinny.silu_mul_(run(kernels[4], m), run(kernels[5], m)), h)
+        return h.view(b, q, width)
+
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, q, _ = x.shape
         return x.view(b, q, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, q, head_dim]
@@ -104,6 +147,9 @@ class AttentionAdapter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + q, device=hidden.device)[None].expand(b, q)
         cos, sin = model.model.rotary_emb(hidden, position_ids=position_ids)
+        kernels = self._lean_kernels(hidden, attention_mask, cos)
+        if kernels is not None:
+            return self._lean_forward(kernels, hidden, cos, sin, attention_mask, cache)
         normed = self.norm(hidden)
         query = apply_rotary(self._split(self.q_proj(normed)), cos, sin)
         keys, values = self._keys_values(normed, cos, sin)

@@ -269,14 +269,22 @@ def drafting_with(modules: Iterable[nn.Linear]) -> Iterator[None]:
     """Inside the block, the base model's ``modules`` run as a draft's layers (an early exit's shallow layers): on
     float16 panels (``SKINNY_HALF``) where they run on ``skinny`` and draft weights are float16; back on their
     float32 panels after it, whatever happens inside. Each keeps both packed copies, so switching is cheap."""
-    switched = [m for m in modules if module_backend(m) == "skinny"] if _draft_weights == "float16" else []
-    for module in switched:
-        set_module_backend(module, SKINNY_HALF)
+    switched = []
+    if _draft_weights == "float16":
+        for module in modules:
+            if module_backend(module) == "skinny":
+                kernels = module.__dict__[_KERNEL_CACHE]
+                if SKINNY_HALF not in kernels:
+                    kernels[SKINNY_HALF] = _SkinnyHalfLinear(module)
+                switched.append((module.__dict__, kernels["skinny"], kernels[SKINNY_HALF]))
+    # the kernel objects swapped straight in the modules' __dict__ (what set_module_backend ends with), a draft at a time
+    for slots, _, half in switched:
+        slots["forward"] = half
     try:
         yield
     finally:
-        for module in switched:
-            set_module_backend(module, "skinny")
+        for slots, full, _ in switched:
+            slots["forward"] = full
 
 
 @contextlib.contextmanager

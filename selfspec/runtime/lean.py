@@ -115,7 +115,9 @@ def attention_interface(attn: nn.Module):
     return get_interface(name, None) if get_interface else ALL_ATTENTION_FUNCTIONS.get(name)
 
 
-def _run(kernel, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernel(kernel, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernel`` (a layer's skinny kernel, from ``layer_kernels``) on rows ``x`` ``[rows, in]``, plus ``residual``
+    added last."""
     module = kernel.module
     return skinny.linear(x, kernel._weight, module.out_features, module._parameters.get("bias"), residual)
 
@@ -132,15 +134,15 @@ def block(layer: nn.Module, kernels: tuple, x: torch.Tensor, residual: torch.Ten
     d = attn.head_dim
     cos, sin = position_embeddings
     cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
-    q = skinny.rope_(_run(q_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
-    k = skinny.rope_(_run(k_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
-    v = _run(v_k, x).view(batch, n, -1, d).transpose(1, 2)
+    q = skinny.rope_(run_kernel(q_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+    k = skinny.rope_(run_kernel(k_k, x), cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
+    v = run_kernel(v_k, x).view(batch, n, -1, d).transpose(1, 2)
     k, v = update(k, v)
     out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-    h = _run(o_k, out.reshape(batch * n, -1), residual)
+    h = run_kernel(o_k, out.reshape(batch * n, -1), residual)
     norm = layer.post_attention_layernorm
     y = skinny.rms_norm(h, norm.weight, norm.variance_epsilon)
-    return _run(down_k, skinny.silu_mul_(_run(gate_k, y), _run(up_k, y)), h)
+    return run_kernel(down_k, skinny.silu_mul_(run_kernel(gate_k, y), run_kernel(up_k, y)), h)
 
 
 class _LeanForward:
@@ -189,4 +191,5 @@ class _LeanForward:
         return out.view(shape)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "layer_kernels", "supported", "use_lean_layers"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "is_lean_kernel", "layer_kernels", "run_kernel",
+           "supported", "use_lean_layers"]

@@ -472,3 +472,39 @@ def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monke
     assert calls == [1]
     for a, b in zip(fast, stock):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mlp", [0, 40])
+def test_early_exit_attention_adapter_runs_one_lean_pass_equal_to_its_modules(built, monkeypatch, mlp):
+    from early_exit.adapter import AttentionAdapter
+    from early_exit.layers import additive_mask
+    from selfspec.runtime.attention import LayerCache
+    from selfspec.testing import attention_classifier
+
+    model = tiny_model("llama", dtype=torch.float32)
+    adapter = attention_classifier(model, exit_layer=1, adapter_mlp_size=mlp).attention
+    width = model.config.hidden_size
+    gen = torch.Generator().manual_seed(mlp)
+    prefix, new = torch.randn(1, 7, width, generator=gen), torch.randn(1, 3, width, generator=gen)
+    allowed = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])  # a draft tree
+
+    def run():
+        cache = LayerCache()
+        with torch.inference_mode():
+            adapter.extend(prefix, model, torch.arange(7)[None], cache)
+            out = adapter(new, model, position_ids=torch.tensor([[7, 8, 8]]),
+                          attention_mask=additive_mask(allowed, 7, torch.float32), cache=cache)
+            one = adapter(new[:, :1], model, position_ids=torch.tensor([[10]]), cache=cache)  # one token, no mask
+        return out, one, cache.keys.clone(), cache.values.clone()
+
+    stock = run()
+    calls = []
+    lean_forward = AttentionAdapter._lean_forward
+    monkeypatch.setattr(AttentionAdapter, "_lean_forward", lambda *a: calls.append(1) or lean_forward(*a))
+    monkeypatch.setattr(kernels, "_draft_weights", "float32")  # the same float32 weights on both sides
+    set_linear_backend(model, "skinny")
+    kernels.follow_backend(model, lambda: [m for m in adapter.modules() if isinstance(m, torch.nn.Linear)], "stock")
+    fast = run()
+    assert calls == [1, 1]
+    for a, b in zip(fast, stock):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
