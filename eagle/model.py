@@ -330,11 +330,12 @@ def render_card(config: EagleConfig) -> str:
 
 
 def save_pretrained(draft: EagleDraftModel, directory: str | Path, calibration: dict | None = None,
-                    dtype: torch.dtype | None = None) -> Path:
+                    dtype: torch.dtype | None = None, card: str | None = None) -> Path:
     """``config.json``, ``model.safetensors`` (the draft's own weights only) and ``README.md``, written atomically.
 
     ``dtype``: store the floating-point weights in this dtype (``torch.float16`` halves a committed drafter; loading
-    casts back to the base model's dtype, and verification keeps decoding exact either way)."""
+    casts back to the base model's dtype, and verification keeps decoding exact either way). ``card``: the README's
+    text (default: ``render_card``)."""
     from safetensors.torch import save_file
 
     from selfspec.runtime.io import CALIBRATION_NAME, README_NAME, WEIGHTS_NAME, atomic_directory
@@ -347,7 +348,7 @@ def save_pretrained(draft: EagleDraftModel, directory: str | Path, calibration: 
         tmp = Path(tmp)
         draft.config.save(tmp)
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / README_NAME).write_text(render_card(draft.config))
+        (tmp / README_NAME).write_text(card if card is not None else render_card(draft.config))
         if calibration is not None:
             (tmp / CALIBRATION_NAME).write_text(json.dumps(calibration, indent=2) + "\n")
     return directory

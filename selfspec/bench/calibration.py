@@ -32,7 +32,13 @@ from selfspec.bench.replay import replay
 from selfspec.bench.runner import Prompt, mean_tau, run_benchmark, tokens_per_s
 from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop
-from selfspec.runtime.io import CONFIG_NAME, stored_float_dtype
+from selfspec.runtime.io import (
+    CONFIG_NAME,
+    README_NAME,
+    atomic_write_text,
+    refresh_card_sections,
+    stored_float_dtype,
+)
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -275,6 +281,24 @@ def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Se
     return max(rows, key=lambda r: r.tokens_per_s), rows
 
 
+def _card(heads_dir: Path) -> str | None:
+    readme = heads_dir / README_NAME
+    return readme.read_text() if readme.is_file() else None
+
+
+def _merged_card(old: str, new: str) -> str:
+    """The card a re-save writes: ``old`` (what the directory's owner may have edited: its intro, sections of their
+    own) with every section the renderer writes taken from the fresh rendering ``new``."""
+    titles = [line[3:].strip() for line in new.splitlines() if line.startswith("## ")]
+    return refresh_card_sections(old, new, titles)
+
+
+def _keep_card(heads_dir: Path, old: str | None) -> None:
+    """After a drafter's own ``save_pretrained`` rendered a fresh card: merge the previous one back in."""
+    if old is not None:
+        atomic_write_text(heads_dir / README_NAME, _merged_card(old, (heads_dir / README_NAME).read_text()))
+
+
 def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: dict) -> Path:
     """Make ``setting`` the heads' default drafting (``tree`` or ``dynamic_tree`` in config.json), with ``report``
     in calibration.json: the heads are loaded onto ``model`` (which checks they belong to it) and saved again by
@@ -287,7 +311,9 @@ def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: di
     else:
         config.tree, config.dynamic_tree = setting.choices or [], None
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
+    old = _card(heads_dir)
     heads.save_pretrained(heads_dir, backbone_adapter=adapter, calibration=report)
+    _keep_card(heads_dir, old)  # sections the heads' owner wrote survive
     return heads_dir / CONFIG_NAME
 
 
@@ -369,19 +395,23 @@ def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any],
     config = classifier.config
     config.policy = {**config.policy, **options}
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
+    old = _card(heads_dir)
     classifier.save_pretrained(heads_dir, model, base_identity=dict(config.base_model), backbone_adapter=adapter,
                                calibration=report, dtype=stored_float_dtype(heads_dir))
+    _keep_card(heads_dir, old)  # sections the classifier's owner wrote survive
     return heads_dir / CONFIG_NAME
 
 
 def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
     """Make ``options`` the feature drafter's default drafting (``decoding`` in config.json), with ``report`` in
     calibration.json, rewriting the directory atomically through the drafter's own ``save_pretrained`` in the dtype
-    its weights are stored in (a float16 drafter stays float16, bit for bit)."""
-    from eagle.model import from_pretrained, save_pretrained
+    its weights are stored in (a float16 drafter stays float16, bit for bit), its card's hand-written sections kept."""
+    from eagle.model import from_pretrained, render_card, save_pretrained
 
     heads_dir = Path(heads_dir)
     draft = from_pretrained(heads_dir, model)
     draft.config.decoding = {**(draft.config.decoding or {}), **options}
-    save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir))
+    old = _card(heads_dir)
+    card = None if old is None else _merged_card(old, render_card(draft.config))
+    save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir), card=card)
     return heads_dir / CONFIG_NAME

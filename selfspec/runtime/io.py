@@ -13,11 +13,12 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,6 +57,28 @@ def is_complete(directory: str | os.PathLike, *, check_sizes: bool = False) -> b
         except OSError:
             return False
     return True
+
+
+def refresh_card_sections(old: str, new: str, titles: Sequence[str]) -> str:
+    """A hand-edited card ``old`` with its ``## TITLE`` sections for ``titles`` replaced by those of a freshly
+    rendered card ``new`` (appended where ``old`` lacks them): re-saving a directory (a calibration choosing a new
+    default) updates what it changed and keeps what its owner wrote."""
+
+    def split(text: str) -> list[tuple[str | None, str]]:
+        parts: list[tuple[str | None, str]] = []
+        for chunk in re.split(r"(?m)^(?=## )", text):
+            title = chunk.splitlines()[0][3:].strip() if chunk.startswith("## ") else None
+            parts.append((title, chunk))
+        return parts
+
+    fresh = {title: chunk.rstrip("\n") + "\n\n" for title, chunk in split(new) if title in titles}
+    out = []
+    for title, chunk in split(old):
+        out.append(fresh.pop(title) if title in fresh else chunk)
+    if out and not out[-1].endswith("\n\n"):
+        out[-1] = out[-1].rstrip("\n") + "\n\n"
+    out += [fresh[title] for title in titles if title in fresh]  # sections the old card lacked
+    return "".join(out).rstrip("\n") + "\n"
 
 
 def _umask() -> int:

@@ -199,6 +199,8 @@ def test_calibrate_chooses_and_saves_an_early_exit_policy(tmp_path, capsys):
 
     model, _ = load_model("tiny:llama")
     heads, original = _exit_classifier(tmp_path, model)
+    mine = "## Sweep notes\n\nWritten by hand, kept by calibration.\n"
+    (heads / "README.md").write_text((heads / "README.md").read_text() + "\n" + mine)
     rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
                "--max-new-tokens", "8", "--grid", "max_depth=1,3 threshold=0,0.5", "--linear-backend", "stock"])
     assert rc == 0
@@ -211,6 +213,7 @@ def test_calibrate_chooses_and_saves_an_early_exit_policy(tmp_path, capsys):
     verify_directory(heads)  # rewritten with fresh checksums, still complete
     config = json.loads((heads / "config.json").read_text())
     assert config["policy"] == best["policy"]
+    assert mine in (heads / "README.md").read_text()
     reloaded = ExitClassifier.from_pretrained(heads, model).state_dict()
     assert reloaded.keys() == original.state_dict().keys()  # the weights survive the rewrite unchanged
     assert all(torch.equal(reloaded[k], v) for k, v in original.state_dict().items())
@@ -238,6 +241,9 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     draft = eagle_draft(model, draft_vocab_size=64)
     draft.config.decoding = {"depth": 2, "nodes": 2, "top_k": 2, "width": 2}
     heads = save_pretrained(draft, tmp_path / "eagle", dtype=dtype)
+    card = (heads / "README.md").read_text()
+    mine = "## Measured by hand\n\nA section its owner wrote.\n"
+    (heads / "README.md").write_text(card.replace("## Default drafting", mine + "\n## Default drafting"))
     before = from_pretrained(heads, model).state_dict()
     rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
                "--max-new-tokens", "8", "--grid", "depth=1,3 nodes=2,5", "--linear-backend", "stock"])
@@ -252,6 +258,9 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     config = json.loads((heads / "config.json").read_text())
     assert config["decoding"] == {"depth": best["policy"]["depth"], "nodes": best["policy"]["nodes"], "top_k": 2,
                                   "width": 2}  # searched options replaced, the others kept
+    card = (heads / "README.md").read_text()
+    assert mine in card  # the card keeps what its owner wrote; its default-drafting section is the new one
+    assert json.dumps(config["decoding"]) in card.split("## Default drafting")[1]
     after = from_pretrained(heads, model).state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # the weights survive the rewrite unchanged
     with safe_open(str(heads / "model.safetensors"), framework="pt") as f:
