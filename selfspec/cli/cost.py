@@ -5,8 +5,10 @@ tree of that many nodes costs against a plain step), and the floor of the linear
 of reading every weight once and doing their multiply-adds at the cores' peak rate (both measured first). Where
 the floor itself rises with the tokens, the linears are compute-bound and no kernel makes that tree cost what one
 token costs. ``--json`` prints one object ``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..},
-"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops"}`` (``gflops``: a large GEMM through PyTorch's BLAS;
-``fma_gflops``: the multiply-add peak the floor uses, null where the skinny extension does not build).
+"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops", "curves": {backend: {"1": ..}}}``
+(``gflops``: a large GEMM through PyTorch's BLAS; ``fma_gflops``: the multiply-add peak the floor uses, null where
+the skinny extension does not build; ``curves``: every backend measured). ``--backends stock,onednn,skinny``
+measures those side by side as well (interleaved, as everything here).
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ import torch
 from selfspec.bench.cost import cost_curves, cpu_model, linear_floor_ms, machine_limits
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_ints
-from selfspec.runtime.kernels import set_linear_backend
+from selfspec.runtime.kernels import BACKENDS, set_linear_backend
 from selfspec.runtime.models import load_model
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(b.strip() for b in text.split(",") if b.strip())
+    unknown = [b for b in names if b not in BACKENDS or b == "auto"]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}: choose from stock, onednn, skinny")
+    return names
 
 
 def _sizes(text: str) -> list[int]:
@@ -37,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=12, help="timed rounds; the median is reported (default 12)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--backends", type=_backends, default=(),
+                   help="more linear backends to measure beside the chosen one and stock, e.g. onednn,skinny")
     add_backend_argument(p)
     p.set_defaults(func=run)
 
@@ -47,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
     chosen = set_linear_backend(model, args.linear_backend)
-    backends = [chosen] if chosen == "stock" else [chosen, "stock"]
+    backends = list(dict.fromkeys([chosen, "stock", *args.backends]))
     curves = cost_curves(model, args.tokens, backends, prefix=args.prefix, repeats=args.repeats)
     limits = machine_limits()
     floor = linear_floor_ms(model, args.tokens, limits)
@@ -55,19 +67,16 @@ def run(args: argparse.Namespace) -> int:
               "ms": {str(n): ms for n, ms in curves[chosen].items()},
               "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},
               "floor_ms": {str(n): ms for n, ms in floor.items()},
-              "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops")}
+              "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops"),
+              "curves": {b: {str(n): ms for n, ms in curves[b].items()} for b in backends}}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['cpu']}, {result['threads']} threads, {args.prefix} cached tokens; forward ms (ratio to 1 token)")
-    print(f"| tokens | {chosen} (chosen) | stock | linear floor |" if chosen != "stock"
-          else "| tokens | stock (chosen) | linear floor |")
-    print("|---:|---:|---:|---:|" if chosen != "stock" else "|---:|---:|---:|")
-    one, stock_one = curves[chosen][1], curves["stock"][1]
+    print("| tokens | " + " | ".join(f"{b} (chosen)" if b == chosen else b for b in backends) + " | linear floor |")
+    print("|---:|" + "---:|" * (len(backends) + 1))
     for n in args.tokens:
-        cells = [f"{curves[chosen][n]:.1f} ({curves[chosen][n] / one:.2f}x)"]
-        if chosen != "stock":
-            cells.append(f"{curves['stock'][n]:.1f} ({curves['stock'][n] / stock_one:.2f}x)")
+        cells = [f"{curves[b][n]:.1f} ({curves[b][n] / curves[b][1]:.2f}x)" for b in backends]
         cells.append(f"{floor[n]:.1f} ({floor[n] / floor[1]:.2f}x)")
         print(f"| {n} | " + " | ".join(cells) + " |")
     rate = (f"the cores' multiply-add peak ({limits['fma_gflops']:.0f} GFLOPS measured; a large GEMM through "

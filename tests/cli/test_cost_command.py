@@ -81,3 +81,21 @@ def test_bad_token_counts_are_refused_before_loading(tokens, capsys):
         main(["cost", "--model", "no-such-model", "--tokens", tokens])
     assert exit_info.value.code == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_more_backends_are_measured_side_by_side(capsys):
+    rc = main(["cost", "--model", "tiny:llama", "--tokens", "2", "--repeats", "1", "--prefix", "8", "--threads", "1",
+               "--linear-backend", "stock", "--backends", "onednn,stock", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert list(result["curves"]) == ["stock", "onednn"]  # the chosen one first, each once
+    assert set(result["curves"]["onednn"]) == {"1", "2"} and result["curves"]["stock"] == result["stock_ms"]
+    assert main(["cost", "--model", "tiny:llama", "--tokens", "2", "--repeats", "1", "--prefix", "8", "--threads",
+                 "1", "--linear-backend", "stock", "--backends", "onednn"]) == 0
+    assert "| stock (chosen) | onednn | linear floor |" in capsys.readouterr().out
+
+
+def test_an_unknown_backend_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["cost", "--model", "tiny:llama", "--backends", "mkl"])
+    assert "unknown backend 'mkl'" in capsys.readouterr().err
