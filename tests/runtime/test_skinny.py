@@ -392,9 +392,10 @@ def test_half_panels_compute_the_float16_rounded_weights_product(built, rows):
     rounded = weight.half().float()
     torch.testing.assert_close(skinny.linear(x, packed, 70, bias), torch.nn.functional.linear(x, rounded, bias),
                                rtol=1e-5, atol=1e-5)
-    # the same float32 sums as float32 panels holding the rounded weights: the kernel only widens on load
-    assert torch.equal(skinny.linear(x, packed, 70, bias, residual), skinny.linear(x, skinny.pack(rounded), 70, bias,
-                                                                                      residual))
+    # float32 panels holding the rounded weights give the same sums (the kernel only widens on load; the compiler
+    # may fuse a multiply-add differently in the two builds of the loop, hence not bitwise on every ISA)
+    torch.testing.assert_close(skinny.linear(x, packed, 70, bias, residual),
+                               skinny.linear(x, skinny.pack(rounded), 70, bias, residual), rtol=1e-6, atol=1e-5)
 
 
 def test_a_weight_beyond_float16_keeps_float32_panels(built):
