@@ -15,8 +15,8 @@ import argparse
 import sys
 
 import torch
-
 from kernel_ab import build
+
 from selfspec.runtime import skinny
 
 
