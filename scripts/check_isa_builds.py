@@ -2,7 +2,7 @@
 (or one without F16C) compiles from the same source, exercised here before such a machine runs it.
 
     python scripts/check_isa_builds.py                                  # AVX2, and AVX2 without F16C
-    python scripts/check_isa_builds.py --cflags "-mno-avx512f" --cflags "-mno-avx512f -mno-f16c -mno-fma"
+    python scripts/check_isa_builds.py --cflags=-mno-avx512f --cflags="-mno-avx512f -mno-f16c -mno-fma"
 
 For each build: the linear kernel on float32 and float16 panels for 1-25 rows (bias and residual), RMSNorm, rotary
 and silu(gate) * up against transformers' / PyTorch's, and the attention kernel against SDPA. The native build is
