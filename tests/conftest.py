@@ -34,3 +34,14 @@ def smollm2():
 
     model, tokenizer = load_model("smollm2-135m-instruct", dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _decode_row_limit():
+    """``kernels.set_linear_backend(model, "auto")`` may let the skinny kernel take prefills too (a process-wide
+    row limit, measured per machine): every test starts from the decode-size limit, whatever ran before it."""
+    from selfspec.runtime import skinny
+
+    skinny.MAX_ROWS = skinny.DECODE_ROWS
+    yield
+    skinny.MAX_ROWS = skinny.DECODE_ROWS

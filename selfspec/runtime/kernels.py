@@ -188,7 +188,9 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
             ``auto``: for a float32 CPU model, the one of those available here whose forwards of ``sizes`` tokens
             (default ``AUTO_SIZES``: a plain step and the trees drafters verify) cost least in total, measured
             once per CPU, model, sizes and kernel build and cached (``remeasure`` measures again); ``stock``
-            otherwise. Each layer keeps the packed weights of every backend it has run on (a copy of the weights per
+            otherwise. Where ``auto`` picks ``skinny`` it also measures a prompt's prefill on the kernel against
+            PyTorch's GEMM and lets the kernel take every row count where it wins (``skinny.MAX_ROWS``; an explicit
+            ``skinny`` keeps prefill on PyTorch's GEMM). Each layer keeps the packed weights of every backend it has run on (a copy of the weights per
             backend), so switching back is free. Every backend but ``stock`` also switches an ``sdpa`` model's
             attention: ``onednn`` to ``attention.GQA_SDPA``, ``skinny`` to ``attention.SKINNY_ATTENTION``.
 
@@ -203,7 +205,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     if backend == "skinny" and not skinny_available():
         raise ValueError(f"the skinny kernel is not available here: {skinny.unavailable_reason()}; it needs a C++ "
                          "compiler and the ninja package; use --linear-backend onednn or stock")
-    if backend == "auto":
+    auto = backend == "auto"
+    if auto:
         backend = _choose(model, tuple(sizes) if sizes else AUTO_SIZES, remeasure)
     for module in model.modules():
         if isinstance(module, nn.Linear):
@@ -215,6 +218,9 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     # and on skinny, Llama-family decoder layers run a lean forward over the same kernels (selfspec.runtime.lean)
     use_lean_layers(model, enabled=backend == "skinny")
     setattr(model, _STATE, backend)
+    if auto and backend == "skinny" and not _measuring:
+        # and whether prompts' prefill runs faster on the kernel too (measured once per CPU, model, kernel build)
+        skinny.MAX_ROWS = _prefill_rows(model, remeasure)
     return backend
 
 
@@ -299,6 +305,9 @@ def linear_backend(model: nn.Module, backend: str) -> Iterator[str]:
 
 #: token counts ``auto`` times by default: a plain step and the trees drafters usually verify on a CPU
 AUTO_SIZES = (1, 4, 8)
+#: prompt length ``auto`` times a prefill at, on the skinny kernel against PyTorch's GEMM
+PREFILL_PROBE = 128
+_measuring = False
 _CHOICES_FILE = "backend-choices.json"
 
 
@@ -376,6 +385,54 @@ def _choose(model: nn.Module, sizes: tuple[int, ...] = AUTO_SIZES, remeasure: bo
     return best
 
 
+def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
+    """``skinny.PREFILL_ROWS`` where a ``PREFILL_PROBE``-token prefill of ``model`` ran faster with the skinny
+    kernel taking every row than with PyTorch's GEMM taking those above ``skinny.DECODE_ROWS`` (best of three,
+    interleaved), else ``DECODE_ROWS``; measured once per CPU, model and kernel build, kept beside the backend
+    choice."""
+    import json
+    import os
+
+    from selfspec.runtime.cache import new_cache
+    from selfspec.runtime.io import atomic_write_text, cache_home, file_lock
+
+    path = cache_home() / "kernels" / _CHOICES_FILE
+    key = _choice_key(model, (PREFILL_PROBE,)) + "-prefill"
+    remeasure = remeasure or os.environ.get("SELFSPEC_REMEASURE") == "1"
+    try:
+        entry = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        entry = None
+    if not remeasure and isinstance(entry, dict) and entry.get("rows") in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS):
+        return entry["rows"]
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, PREFILL_PROBE), generator=torch.Generator().manual_seed(0))
+    best = {rows: float("inf") for rows in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS)}
+    previous = skinny.MAX_ROWS
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                for rows in best:
+                    skinny.MAX_ROWS = rows
+                    cache = new_cache(model, PREFILL_PROBE + 8)
+                    start = time.perf_counter()
+                    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                    best[rows] = min(best[rows], time.perf_counter() - start)
+    finally:
+        skinny.MAX_ROWS = previous
+    chosen = min(best, key=best.__getitem__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.with_suffix(".lock")):
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known[key] = {"rows": chosen, **cpu_signature(), "prefill_tokens": PREFILL_PROBE,
+                      "ms": {str(rows): round(1000 * t, 3) for rows, t in best.items()}}
+        atomic_write_text(path, json.dumps(known, indent=1))
+    return chosen
+
+
 @torch.inference_mode()
 def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ...], prefix: int = 256,
                      rounds: int = 3) -> dict[str, dict[int, float]]:
@@ -385,10 +442,12 @@ def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ..
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
+    global _measuring
     previous = linear_backend_of(model)
     cache = new_cache(model, prefix + max(sizes))
     model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
     best: dict[str, dict[int, float]] = {b: {n: float("inf") for n in sizes} for b in backends}
+    _measuring = True
     try:
         for _ in range(rounds):
             for backend in backends:
@@ -400,4 +459,5 @@ def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ..
                     crop(cache, prefix)
     finally:
         set_linear_backend(model, previous)
+        _measuring = False
     return best

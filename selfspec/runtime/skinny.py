@@ -27,8 +27,14 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno")  # not -ffast-math: the att
 # compiled with OpenMP; without the flag every call ran on one core (half the machine, on a 2-core VM). The symbols
 # resolve to the libgomp PyTorch itself loaded, so the kernel shares its thread pool and ``torch.set_num_threads``.
 OPENMP_CFLAGS = ("-fopenmp",)
-#: Above this many rows a call goes to PyTorch's own GEMM, which is good at large shapes (prefill, training).
-MAX_ROWS = 24
+#: Rows a decode step or a draft tree brings; above ``MAX_ROWS`` a call goes to PyTorch's own GEMM.
+DECODE_ROWS = 24
+#: What ``MAX_ROWS`` becomes where a prompt's prefill measured faster on this kernel than on PyTorch's GEMM
+#: (``selfspec.runtime.kernels``, ``auto``: 2.2x on a 2-core Zen 5, whose MKL reaches 40% of the FMA peak). Each row
+#: is computed alone, so a prefill on it gives every position exactly what decoding would.
+PREFILL_ROWS = 4096
+#: Above this many rows a call goes to PyTorch's own GEMM (set by ``kernels.set_linear_backend(model, "auto")``).
+MAX_ROWS = DECODE_ROWS
 
 _lock = threading.Lock()
 _module = None

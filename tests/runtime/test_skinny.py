@@ -4,6 +4,9 @@ that one worker builds it while the other goes on with the rest of the suite."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 
@@ -509,3 +512,50 @@ def test_early_exit_attention_adapter_runs_one_lean_pass_equal_to_its_modules(bu
     assert calls == [1, 1]
     for a, b in zip(fast, stock):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("faster", ["skinny", "stock"])
+def test_auto_lets_the_kernel_take_prefills_where_it_measured_faster(built, monkeypatch, tmp_path, faster):
+    from selfspec.runtime.io import cache_home
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "skinny")  # what auto picks for decoding
+    model = tiny_model("llama", dtype=torch.float32)
+    clock = iter(range(10**6))
+    seen = []
+
+    def timed():  # the probe's forwards: the faster side gets shorter times, whichever order they run in
+        seen.append(skinny.MAX_ROWS)
+        wins = (skinny.MAX_ROWS == skinny.PREFILL_ROWS) == (faster == "skinny")
+        return next(clock) * (1 if wins else 100)
+
+    real = time.perf_counter
+    monkeypatch.setattr(kernels.time, "perf_counter", timed)
+    assert set_linear_backend(model, "auto") == "skinny"
+    monkeypatch.setattr(kernels.time, "perf_counter", real)
+    expected = skinny.PREFILL_ROWS if faster == "skinny" else skinny.DECODE_ROWS
+    assert skinny.MAX_ROWS == expected and set(seen) == {skinny.DECODE_ROWS, skinny.PREFILL_ROWS}
+    entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
+    assert [e["rows"] for k, e in entries.items() if k.endswith("-prefill")] == [expected]
+
+
+def test_a_prefill_on_the_kernel_decodes_exactly_like_one_on_pytorch(built, monkeypatch):
+    from selfspec.testing import greedy_reference, random_prompt
+
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    ids = random_prompt(40, seed=3)
+    with torch.inference_mode():
+        stock_prefill = model(ids).logits
+    reference = greedy_reference(model, ids, 20)
+    calls = []
+    kernel = skinny.linear
+    monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    monkeypatch.setattr(skinny, "MAX_ROWS", skinny.PREFILL_ROWS)
+    with torch.inference_mode():
+        fast_prefill = model(ids).logits
+    assert 40 in calls  # the 40-row prefill ran on the kernel
+    torch.testing.assert_close(fast_prefill, stock_prefill, rtol=1e-4, atol=1e-4)
+    # a prompt's rows get what one-token steps would: greedy output as with PyTorch's prefill, trees lossless
+    assert torch.equal(greedy_reference(model, ids, 20), reference)
+    assert_random_trees_decode_losslessly(model)
