@@ -265,6 +265,15 @@ def repetitive_conversations(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def _free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch_recipe(script: Path, argv: list[str], *, processes: int = 1, wrapper: str | None = None,
                   check: bool = True):
     """Run a ``train/*.py`` launcher in a subprocess: ``processes`` > 1 through ``accelerate launch`` (DDP on the
@@ -278,9 +287,11 @@ def launch_recipe(script: Path, argv: list[str], *, processes: int = 1, wrapper:
         # `accelerate launch --cpu --num_processes N` starts ONE process in accelerate 1.x (its simple launcher);
         # --multi_gpu spawns N, and ACCELERATE_USE_CPU keeps them on the CPU (DDP over gloo).
         env["ACCELERATE_USE_CPU"] = "1"
+        # A port of its own: two launches at once (pytest-xdist workers) on accelerate's default 29500 meet in one
+        # rendezvous and hang until the timeout.
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
-               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), *argv]
+               str(processes), "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision",
+               "no", "--dynamo_backend", "no", str(script), *argv]
     elif wrapper:
         cmd = [sys.executable, "-c", wrapper, *argv]
     else:

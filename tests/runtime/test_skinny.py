@@ -559,3 +559,30 @@ def test_a_prefill_on_the_kernel_decodes_exactly_like_one_on_pytorch(built, monk
     # a prompt's rows get what one-token steps would: greedy output as with PyTorch's prefill, trees lossless
     assert torch.equal(greedy_reference(model, ids, 20), reference)
     assert_random_trees_decode_losslessly(model)
+
+
+@pytest.mark.parametrize("draft", ["eagle", "early-exit", "medusa"])
+def test_drafters_stay_lossless_with_prompts_prefilled_on_the_kernel(built, monkeypatch, draft):
+    from decoding.generate import generate
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from early_exit.drafter import EarlyExitDrafter
+    from medusa.drafter import MedusaDrafter
+    from selfspec.testing import attention_classifier, eagle_draft, greedy_reference, random_prompt, sequential_heads
+
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    monkeypatch.setattr(skinny, "MAX_ROWS", skinny.PREFILL_ROWS)  # what auto sets where the kernel wins prefills
+    if draft == "eagle":  # its begin() also runs its layer over the whole prompt: a lean pass of 40+ rows
+        drafter = EagleDrafter(model, eagle_draft(model, seed=7, draft_vocab_size=60), EaglePolicy(depth=3, nodes=6))
+    elif draft == "early-exit":
+        drafter = EarlyExitDrafter(model, attention_classifier(model, exit_layer=1))
+    else:
+        drafter = MedusaDrafter(sequential_heads(model))
+    rows = []
+    kernel = skinny.linear
+    monkeypatch.setattr(skinny, "linear", lambda *a: rows.append(a[0].shape[0]) or kernel(*a))
+    for n in (33, 47):
+        ids = random_prompt(n, seed=n)
+        out = generate(model, drafter, ids, max_new_tokens=24)
+        assert torch.equal(out.sequences, greedy_reference(model, ids, 24)), (draft, n)
+    assert max(rows) >= 32  # the prompts' prefill ran on the kernel
