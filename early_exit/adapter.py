@@ -83,11 +83,7 @@ class AttentionAdapter(nn.Module):
         linears = [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
         if self.down_proj is not None:
             linears += [self.gate_proj, self.up_proj, self.down_proj]
-        found = tuple(m.__dict__.get("forward") for m in linears)
-        if not all(lean.is_lean_kernel(k) and k._current(m._parameters["weight"], m._parameters.get("bias"))
-                   for k, m in zip(found, linears)):
-            return None
-        return found
+        return lean.kernels_of(linears)
 
     def _lean_forward(self, kernels: tuple, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attention_mask, cache) -> torch.Tensor:

@@ -190,9 +190,10 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
             once per CPU, model, sizes and kernel build and cached (``remeasure`` measures again); ``stock``
             otherwise. Where ``auto`` picks ``skinny`` it also measures a prompt's prefill on the kernel against
             PyTorch's GEMM and lets the kernel take every row count where it wins (``skinny.MAX_ROWS``; an explicit
-            ``skinny`` keeps prefill on PyTorch's GEMM). Each layer keeps the packed weights of every backend it has run on (a copy of the weights per
-            backend), so switching back is free. Every backend but ``stock`` also switches an ``sdpa`` model's
-            attention: ``onednn`` to ``attention.GQA_SDPA``, ``skinny`` to ``attention.SKINNY_ATTENTION``.
+            ``skinny`` keeps prefill on PyTorch's GEMM). Each layer keeps the packed weights of every backend it
+            has run on (a copy of the weights per backend), so switching back is free. Every backend but
+            ``stock`` also switches an ``sdpa`` model's attention: ``onednn`` to ``attention.GQA_SDPA``,
+            ``skinny`` to ``attention.SKINNY_ATTENTION``.
 
     Raises:
         ValueError: an unknown backend, ``onednn`` where this PyTorch build has no oneDNN, or ``skinny`` where the
@@ -218,7 +219,7 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     # and on skinny, Llama-family decoder layers run a lean forward over the same kernels (selfspec.runtime.lean)
     use_lean_layers(model, enabled=backend == "skinny")
     setattr(model, _STATE, backend)
-    if auto and backend == "skinny" and not _measuring:
+    if auto and backend == "skinny":
         # and whether prompts' prefill runs faster on the kernel too (measured once per CPU, model, kernel build)
         skinny.MAX_ROWS = _prefill_rows(model, remeasure)
     return backend
@@ -283,7 +284,7 @@ def drafting_with(modules: Iterable[nn.Linear]) -> Iterator[None]:
                 if SKINNY_HALF not in kernels:
                     kernels[SKINNY_HALF] = _SkinnyHalfLinear(module)
                 switched.append((module.__dict__, kernels["skinny"], kernels[SKINNY_HALF]))
-    # the kernel objects swapped straight in the modules' __dict__ (what set_module_backend ends with), a draft at a time
+    # the kernel objects swapped straight in the modules' __dict__ (what set_module_backend ends with), per draft
     for slots, _, half in switched:
         slots["forward"] = half
     try:
@@ -307,7 +308,6 @@ def linear_backend(model: nn.Module, backend: str) -> Iterator[str]:
 AUTO_SIZES = (1, 4, 8)
 #: prompt length ``auto`` times a prefill at, on the skinny kernel against PyTorch's GEMM
 PREFILL_PROBE = 128
-_measuring = False
 _CHOICES_FILE = "backend-choices.json"
 
 
@@ -348,11 +348,6 @@ def _choose(model: nn.Module, sizes: tuple[int, ...] = AUTO_SIZES, remeasure: bo
     """The backend whose forwards of ``sizes`` tokens (after a 256-token prefix) cost least in total, measured
     once per machine, model and size set and kept in ``$SELFSPEC_HOME/kernels/backend-choices.json`` with the
     measured curve (``remeasure`` or ``SELFSPEC_REMEASURE=1`` measures again)."""
-    import json
-    import os
-
-    from selfspec.runtime.io import atomic_write_text, cache_home, file_lock
-
     params = next(model.parameters(), None)
     if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
         return "stock"
@@ -360,29 +355,51 @@ def _choose(model: nn.Module, sizes: tuple[int, ...] = AUTO_SIZES, remeasure: bo
     if len(candidates) == 1:
         return "stock"
     sizes = tuple(sorted(set(int(n) for n in sizes) | {1}))
-    path = cache_home() / "kernels" / _CHOICES_FILE
     key = _choice_key(model, sizes)
-    remeasure = remeasure or os.environ.get("SELFSPEC_REMEASURE") == "1"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    entry = known.get(key)
-    if not remeasure and isinstance(entry, dict) and entry.get("backend") in candidates:
+    entry = _recorded_choice(key, remeasure)
+    if entry is not None and entry.get("backend") in candidates:
         return entry["backend"]
     curves = measure_backends(model, candidates, sizes)
     total = {b: sum(curve.values()) for b, curve in curves.items()}
     best = min(candidates, key=total.__getitem__)
+    _record_choice(key, {"backend": best, **cpu_signature(), "sizes": list(sizes),
+                         "ms": {b: {str(n): round(1000 * t, 3) for n, t in curve.items()}
+                                for b, curve in curves.items()}})
+    return best
+
+
+def _recorded_choice(key: str, remeasure: bool = False) -> dict | None:
+    """The entry ``key`` of ``$SELFSPEC_HOME/kernels/backend-choices.json``; None when there is none, the file
+    is unreadable, or ``remeasure`` / ``SELFSPEC_REMEASURE=1`` asks to measure again."""
+    import json
+    import os
+
+    from selfspec.runtime.io import cache_home
+
+    if remeasure or os.environ.get("SELFSPEC_REMEASURE") == "1":
+        return None
+    try:
+        entry = json.loads((cache_home() / "kernels" / _CHOICES_FILE).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _record_choice(key: str, entry: dict) -> None:
+    """Store ``entry`` under ``key`` in the choices file (read again under its lock, written atomically)."""
+    import json
+
+    from selfspec.runtime.io import atomic_write_text, cache_home, file_lock
+
+    path = cache_home() / "kernels" / _CHOICES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path.with_suffix(".lock")):
         try:
             known = json.loads(path.read_text())
         except (OSError, ValueError):
             known = {}
-        known[key] = {"backend": best, **cpu_signature(), "sizes": list(sizes),
-                      "ms": {b: {str(n): round(1000 * t, 3) for n, t in curve.items()} for b, curve in curves.items()}}
+        known[key] = entry
         atomic_write_text(path, json.dumps(known, indent=1))
-    return best
 
 
 def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
@@ -390,20 +407,11 @@ def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
     kernel taking every row than with PyTorch's GEMM taking those above ``skinny.DECODE_ROWS`` (best of three,
     interleaved), else ``DECODE_ROWS``; measured once per CPU, model and kernel build, kept beside the backend
     choice."""
-    import json
-    import os
-
     from selfspec.runtime.cache import new_cache
-    from selfspec.runtime.io import atomic_write_text, cache_home, file_lock
 
-    path = cache_home() / "kernels" / _CHOICES_FILE
     key = _choice_key(model, (PREFILL_PROBE,)) + "-prefill"
-    remeasure = remeasure or os.environ.get("SELFSPEC_REMEASURE") == "1"
-    try:
-        entry = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        entry = None
-    if not remeasure and isinstance(entry, dict) and entry.get("rows") in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS):
+    entry = _recorded_choice(key, remeasure)
+    if entry is not None and entry.get("rows") in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS):
         return entry["rows"]
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, PREFILL_PROBE), generator=torch.Generator().manual_seed(0))
@@ -421,15 +429,8 @@ def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
     finally:
         skinny.MAX_ROWS = previous
     chosen = min(best, key=best.__getitem__)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(path.with_suffix(".lock")):
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
-        known[key] = {"rows": chosen, **cpu_signature(), "prefill_tokens": PREFILL_PROBE,
-                      "ms": {str(rows): round(1000 * t, 3) for rows, t in best.items()}}
-        atomic_write_text(path, json.dumps(known, indent=1))
+    _record_choice(key, {"rows": chosen, **cpu_signature(), "prefill_tokens": PREFILL_PROBE,
+                         "ms": {str(rows): round(1000 * t, 3) for rows, t in best.items()}})
     return chosen
 
 
@@ -442,12 +443,10 @@ def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ..
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
-    global _measuring
     previous = linear_backend_of(model)
     cache = new_cache(model, prefix + max(sizes))
     model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
     best: dict[str, dict[int, float]] = {b: {n: float("inf") for n in sizes} for b in backends}
-    _measuring = True
     try:
         for _ in range(rounds):
             for backend in backends:
@@ -459,5 +458,4 @@ def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ..
                     crop(cache, prefix)
     finally:
         set_linear_backend(model, previous)
-        _measuring = False
     return best

@@ -51,8 +51,8 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 def supported(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of ``model`` a lean forward can stand in for (empty for other architectures)."""
     config = getattr(model, "config", None)
-    if (getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu"
-            or _transformers_version() < MIN_TRANSFORMERS):
+    if (getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
+            or getattr(config, "hidden_act", None) != "silu" or _transformers_version() < MIN_TRANSFORMERS):
         return []
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = list(getattr(decoder, "layers", []) or [])
@@ -98,8 +98,13 @@ def layer_kernels(layer: nn.Module, rows: int, dtype: torch.dtype, device: torch
     if (torch.is_grad_enabled() or layer.training or dtype != torch.float32 or device.type != "cpu"
             or not 0 < rows <= skinny.MAX_ROWS):
         return None
+    return kernels_of(_linears(layer), skinny_linear)
+
+
+def kernels_of(linears, skinny_linear: type | None = None) -> tuple | None:
+    """The skinny kernels of ``linears`` in order, when every one runs on the skinny kernel with its weights packed
+    as they are now; None otherwise."""
     skinny_linear = skinny_linear or _skinny_linear_class()
-    linears = _linears(layer)
     kernels = tuple(m.__dict__.get("forward") for m in linears)
     if not all(isinstance(k, skinny_linear) and k._current(m._parameters["weight"], m._parameters.get("bias"))
                for k, m in zip(kernels, linears)):
@@ -191,5 +196,5 @@ class _LeanForward:
         return out.view(shape)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "is_lean_kernel", "layer_kernels", "run_kernel",
-           "supported", "use_lean_layers"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "is_lean_kernel", "kernels_of", "layer_kernels",
+           "run_kernel", "supported", "use_lean_layers"]
