@@ -60,16 +60,25 @@ def drafter_factory(name: str) -> DrafterFactory:
 def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options: Any) -> Drafter:
     """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.combine``).
 
-    In a combination, ``heads_dir`` and the unprefixed ``options`` go to the first drafter; ``"b.key"`` options go
-    to drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR, **{"lookup.num_tokens": 6})``).
+    Each part may name its own directory, as benchmark methods do: ``"medusa:HEADS+lookup+datastore:STORE"``. A
+    part without one gets ``heads_dir`` if it is the first. Unprefixed ``options`` go to the first drafter;
+    ``"b.key"`` options go to drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR,
+    **{"lookup.num_tokens": 6})``).
 
     Raises:
         KeyError: unknown drafter name (the message lists the known ones).
+        ValueError: a directory given both in ``name`` and as ``heads_dir`` for the same drafter.
     """
-    if "+" in name:
-        parts = name.split("+")
-        return make_combined([(part, heads_dir if i == 0 else None) for i, part in enumerate(parts)], model, options)
-    return drafter_factory(name)(model, heads_dir, **options)
+    parts = []
+    for i, part in enumerate(name.split("+")):
+        part_name, _, part_dir = part.partition(":")
+        if part_dir and i == 0 and heads_dir is not None:
+            raise ValueError(f"drafter {part_name!r} is given two directories: {part_dir!r} in {name!r} and "
+                             f"{heads_dir!r}; give one")
+        parts.append((part_name, part_dir or (heads_dir if i == 0 else None)))
+    if len(parts) > 1:
+        return make_combined(parts, model, options)
+    return drafter_factory(parts[0][0])(model, parts[0][1], **options)
 
 
 def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Order is the order of ``selfspec --help``. A module that is missing is simply not offered.
-COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate", "cost", "train", "export")
+COMMANDS = ("models", "generate", "demo", "bench", "ablate", "calibrate", "cost", "train", "export", "datastore")
 
 
 def build_parser() -> argparse.ArgumentParser:

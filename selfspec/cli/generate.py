@@ -36,7 +36,8 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def _drafter_name(text: str) -> str:
-    unknown = [part for part in text.split("+") if part not in available_drafters()]
+    names = [part.partition(":")[0] for part in text.split("+")]
+    unknown = [name for name in names if name not in available_drafters()]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}; choose from "
                                          f"{', '.join(available_drafters())} (or join several with '+')")
@@ -49,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model alias, hub id or local path (default: the embedded model)")
     p.add_argument("--draft", default="none", type=_drafter_name,
                    help=f"drafter: one of {', '.join(available_drafters())}, or several joined by '+' into one tree "
-                        "(medusa+lookup); default none")
+                        "(medusa+lookup); a part may name its own directory (lookup+datastore:DIR); "
+                        "default none")
     p.add_argument("--heads", default=None, help="directory of trained heads / classifier / layer-skip config")
     p.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra drafter option, repeatable (e.g. tree_size=16)")

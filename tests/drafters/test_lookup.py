@@ -3,12 +3,16 @@ token-identical to the base model's greedy generate."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import decoding
 from decoding import DraftTree, combine, make_drafter, merge_trees
+from decoding.drafter import DecodeState, SamplingParams
 from lookup import LookupDrafter, lookup_continuation, lookup_continuations
+from lookup.drafter import suffix_matches
+from lookup.tree import count_tree
 from medusa import MedusaDrafter, MedusaHeads
 from selfspec.testing import ARCHITECTURES, tiny_model
 
@@ -28,7 +32,6 @@ def test_lookup_takes_the_longest_then_most_recent_match():
 
 
 def test_several_candidates_come_from_distinct_earlier_occurrences():
-    from decoding.drafter import DecodeState, SamplingParams
     seq = torch.tensor([1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 4, 9, 1, 2])
     found = lookup_continuations(seq, max_ngram=2, min_ngram=1, num_tokens=2, num_candidates=3)
     # "1 2" was followed by 3 4 (most recent), 5 6, and 3 4 again (a repeat, skipped).
@@ -36,10 +39,61 @@ def test_several_candidates_come_from_distinct_earlier_occurrences():
     drafter = LookupDrafter(max_ngram=2, num_tokens=2, num_candidates=3)
     tree = drafter.propose(DecodeState(model=None, cache=None, sequence=seq[None], sampling=SamplingParams()))
     assert tree.tokens.tolist() == [3, 4, 5, 6] and tree.parents.tolist() == [-1, 0, -1, 2]
-    single = LookupDrafter(max_ngram=2, num_tokens=2).propose(
+    single = LookupDrafter(max_ngram=2, num_tokens=2, num_candidates=1).propose(
         DecodeState(model=None, cache=None, sequence=seq[None], sampling=SamplingParams()))
     assert single.tokens.tolist() == [3, 4]
     assert make_drafter("lookup", None, num_candidates="2").num_candidates == 2
+    assert make_drafter("lookup", None, nodes="none").nodes is None
+
+
+def _state(tokens) -> DecodeState:
+    return DecodeState(model=None, cache=None, sequence=torch.tensor(tokens)[None], sampling=SamplingParams())
+
+
+def test_suffix_matches_equal_a_brute_force_count():
+    g = np.random.default_rng(0)
+    for trial in range(200):
+        seq = g.integers(0, 3 if trial % 2 else 6, size=int(g.integers(1, 40)))
+        cap = int(g.integers(1, 12))
+        got = suffix_matches(seq, cap)
+        for j in range(seq.size - 1):
+            n = 0
+            while n < cap and n <= j and seq[j - n] == seq[seq.size - 1 - n]:
+                n += 1
+            assert got[j] == n, (seq.tolist(), j, cap)
+
+
+def test_the_draft_grows_with_the_match_and_follows_the_majority():
+    # "8 9" occurred three times before the final one (after 7, 6, 5: a 2-token match each), continued twice by
+    # 1 2 3 4 and once by 5 6
+    seq = [7, 8, 9, 1, 2, 3, 4, 6, 8, 9, 5, 6, 5, 8, 9, 1, 2, 3, 4, 0, 8, 9]
+    tree = LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5).propose(_state(seq))
+    # 2 matched tokens -> depth 4; 1 2 3 4 scores 2/3 and comes first, then 5 (1/3)
+    assert tree.tokens.tolist() == [1, 2, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 1, 2, -1]
+    # a longer match elsewhere wins over more frequent shorter ones
+    assert LookupDrafter(tokens_per_match=2, num_tokens=10).propose(_state(seq + [5])).tokens.tolist()[0] == 6
+    short = LookupDrafter(tokens_per_match=1, num_tokens=10).propose(_state([4, 5, 6, 9, 9, 4]))
+    assert short.tokens.tolist() == [5]  # a 1-token match drafts 1 token
+    long = LookupDrafter(tokens_per_match=1, num_tokens=10).propose(_state([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]))
+    assert long.tokens.tolist() == [5, 6, 7, 1]  # 4 matched tokens: 4 drafted, running into the root
+    classic = LookupDrafter(max_ngram=3, num_tokens=4, num_candidates=1, nodes=None, tokens_per_match=None)
+    assert classic.propose(_state(seq)).tokens.tolist() == [1, 2, 3, 4]
+    assert LookupDrafter().propose(_state([1, 2, 3])) is None
+
+
+def test_count_tree_keeps_the_likeliest_nodes():
+    continuations = [[1, 2, 3], [1, 2, 4], [1, 5], [6]]
+    tree = count_tree(continuations, nodes=3)
+    # scores: 1: 3/4, 2: 2/4, then 3, 4, 5, 6 at 1/4: ties go to the first seen (3)
+    assert tree.tokens.tolist() == [1, 2, 3] and tree.parents.tolist() == [-1, 0, 1]
+    full = count_tree(continuations, nodes=100)
+    assert sorted(full.tokens.tolist()) == [1, 2, 3, 4, 5, 6] and len(full) == 6
+    assert all(p < i for i, p in enumerate(full.parents.tolist()))
+    assert count_tree(continuations, nodes=100, min_score=0.3).tokens.tolist() == [1, 2]
+    assert count_tree([[7, -1, 8]], nodes=5, stop_token=-1).tokens.tolist() == [7]
+    assert count_tree([], nodes=4) is None and count_tree([[]], nodes=4) is None
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        count_tree(continuations, nodes=0)
 
 
 def test_lookup_drafter_errors():
@@ -51,6 +105,8 @@ def test_lookup_drafter_errors():
         make_drafter("lookup", None, "some/dir")
     with pytest.raises(ValueError, match="unknown lookup drafter option"):
         make_drafter("lookup", None, width=2)
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
+        LookupDrafter(nodes=0)
 
 
 def test_merge_shares_common_paths_and_keeps_parents_first():
@@ -84,7 +140,8 @@ def test_greedy_equality_with_lookup_and_medusa_plus_lookup(arch, tmp_path):
     for seed in range(3):
         prompt = _repetitive_prompt(vocab, seed)
         expected = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False).tolist()
-        for drafter in (LookupDrafter(num_tokens=5), LookupDrafter(num_tokens=3, num_candidates=3),
+        for drafter in (LookupDrafter(), LookupDrafter(num_tokens=5, tokens_per_match=None),
+                        LookupDrafter(num_tokens=3, num_candidates=3, nodes=None),
                         combine(MedusaDrafter(heads, tree=[[0], [1], [0, 0]]), LookupDrafter(max_ngram=2)),
                         combine(MedusaDrafter(heads, tree=[[0], [1]]), LookupDrafter(num_candidates=2))):
             out = decoding.generate(model, drafter, prompt, max_new_tokens=30, eos_token_id=None)

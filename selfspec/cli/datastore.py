@@ -1,0 +1,57 @@
+"""``selfspec datastore --data DATASET --out DIR``: index conversations (best: ones the model wrote itself, as
+``scripts/self_distill.py`` makes them) for the ``datastore`` drafter (``lookup.datastore``)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from lookup.datastore import Datastore
+from selfspec.runtime.models import DEFAULT_MODEL, load_model
+from selfspec.training.data import FORMATS, detect_format, load_records, tokenize_records
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("datastore", help="index conversations for the datastore drafter",
+                              description=__doc__)
+    p.add_argument("--data", required=True,
+                   help="conversations: a ShareGPT/Alpaca JSON/JSONL file or directory (e.g. a self-distilled one)")
+    p.add_argument("--out", required=True, help="directory to write (replaced atomically if it exists)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"whose tokenizer and chat template (default {DEFAULT_MODEL})")
+    p.add_argument("--format", default="auto", choices=("auto", *sorted(FORMATS)), help="dataset format (default auto)")
+    p.add_argument("--context", type=int, default=16, help="longest match the index can find, in tokens (default 16)")
+    p.add_argument("--limit", type=int, help="index only the first N conversations")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Raises: FileNotFoundError / ValueError: a missing or unreadable dataset, a bad ``--context`` or ``--limit``."""
+    if args.context < 1:
+        raise ValueError("--context must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    records = load_records(args.data)
+    fmt = detect_format(records.column_names) if args.format == "auto" else args.format
+    total = min(len(records), args.limit or len(records))
+    examples = tokenize_records(tqdm(records, desc="tokenizing", unit="conv", total=total), tokenizer, fmt=fmt,
+                                max_length=1 << 30, num_samples=args.limit)
+    meta = {"vocab_size": model.config.vocab_size, "tokenizer": getattr(tokenizer, "name_or_path", None) or args.model,
+            "model": args.model, "source": str(args.data)}
+    datastore = Datastore.build((e["input_ids"] for e in examples), context=args.context, meta=meta)
+    card = (f"# Datastore for {args.model}\n\n{datastore.meta['num_documents']:,} conversations of `{args.data}`, "
+            f"{datastore.meta['num_tokens']:,} tokens (chat template applied), indexed for matches of up to "
+            f"{args.context} tokens.\n\nUse: `selfspec generate --draft lookup+datastore:THIS_DIR`, or "
+            "the benchmark method `lookup+datastore:THIS_DIR`.\n\nMade with: `selfspec datastore --data "
+            f"{args.data} --out {args.out} --model {args.model} --context {args.context}"
+            f"{f' --limit {args.limit}' if args.limit else ''}`\n")
+    datastore.save(args.out, card=card)
+    size = sum(p.stat().st_size for p in Path(args.out).iterdir()) / 2**20
+    print(f"wrote {args.out}: {datastore.meta['num_documents']:,} conversations, {datastore.meta['num_tokens']:,} "
+          f"tokens, {size:.1f} MB, in {time.perf_counter() - start:.0f} s")
+    return 0

@@ -1,0 +1,148 @@
+"""The datastore drafter: its index finds exactly the occurrences a brute-force scan finds, the tree follows the
+majority of them, a saved datastore reloads (and refuses damage or a foreign vocabulary), the command builds one, and
+decoding with it alone or merged stays token-identical to greedy generate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import decoding
+from decoding import make_drafter
+from decoding.drafter import DecodeState, SamplingParams
+from lookup import LookupDrafter
+from lookup.datastore import SEPARATOR, Datastore, DatastoreDrafter
+from medusa import MedusaDrafter, MedusaHeads
+from selfspec.runtime.io import DamagedDirectoryError
+from selfspec.testing import ARCHITECTURES, tiny_model, write_prompt_response_data
+
+
+def _brute_force(documents, sequence, limit):
+    """The longest n <= limit whose last-n tokens of ``sequence`` occur in a document, and where they end."""
+    best, ends = 0, []
+    offset = 1  # tokens[0] is the leading separator
+    for doc in documents:
+        for end in range(len(doc)):
+            n = 0
+            while n < limit and n < len(sequence) and end - n >= 0 and doc[end - n] == sequence[-1 - n]:
+                n += 1
+            if n > best:
+                best, ends = n, []
+            if n == best and n > 0:
+                ends.append(offset + end)
+        offset += len(doc) + 1
+    return best, sorted(ends)
+
+
+@pytest.mark.parametrize("vocab", [3, 7, 50000, 300000])  # 300000: fewer tokens fit one packed key
+def test_index_finds_what_a_scan_finds(vocab):
+    g = np.random.default_rng(vocab)
+    documents = [g.integers(0, vocab if vocab < 10 else 5, size=int(g.integers(1, 30))).tolist() for _ in range(12)]
+    if vocab > 10:  # large ids, few distinct: the packing must still order them
+        documents = [[t * (vocab // 5) + 1 for t in d] for d in documents]
+    store = Datastore.build(documents, context=6)
+    for trial in range(150):
+        source = documents[int(g.integers(len(documents)))]
+        sequence = source[:int(g.integers(1, len(source) + 1))]
+        if trial % 3 == 0:  # also queries that occur nowhere in full
+            sequence = [int(g.integers(0, 4)) * (vocab // 5 if vocab > 10 else 1) + (1 if vocab > 10 else 0)] + sequence
+        limit = int(g.integers(1, 8))
+        n, lo, hi = store.match(sequence, limit)
+        best, ends = _brute_force(documents, sequence, min(limit, 6))
+        assert n == best, (sequence, limit)
+        assert sorted(store.order[lo:hi].tolist()) == (ends if n else []), (sequence, limit)
+    assert store.match([vocab * 10], 4) == (0, 0, 0)  # an id the corpus never holds
+    assert store.match([], 4) == (0, 0, 0)
+
+
+def test_continuations_stop_at_the_document_end_and_the_tree_follows_the_majority():
+    store = Datastore.build([[1, 2, 3, 4], [1, 2, 3, 4], [9, 2, 3, 5], [2, 3]], context=4)
+    n, lo, hi = store.match([7, 2, 3], 4)
+    assert n == 2 and hi - lo == 4
+    rows = store.continuations(lo, hi, depth=3, max_occurrences=10).tolist()
+    assert sorted(rows) == sorted([[4, SEPARATOR, 1], [4, SEPARATOR, 9], [5, SEPARATOR, 2], [SEPARATOR, SEPARATOR,
+                                                                                                  SEPARATOR]])
+    state = DecodeState(model=None, cache=None, sequence=torch.tensor([[7, 2, 3]]), sampling=SamplingParams())
+    tree = DatastoreDrafter(store, nodes=4, num_tokens=3, min_score=0.0).propose(state)
+    assert tree.tokens.tolist() == [4, 5] and tree.parents.tolist() == [-1, -1]  # 4 (2 of 4) before 5 (1 of 4)
+    assert DatastoreDrafter(store, min_score=0.3).propose(state).tokens.tolist() == [4]
+    assert DatastoreDrafter(store, min_ngram=3).propose(state) is None  # a 2-token match is too short here
+    assert len(store.continuations(lo, hi, depth=2, max_occurrences=2)) == 2
+
+
+def test_save_load_and_bad_input(tmp_path):
+    store = Datastore.build([[5, 6, 7], [5, 6, 8]], context=3, meta={"vocab_size": 11})
+    store.save(tmp_path / "ds", card="# card\n")
+    loaded = Datastore.load(tmp_path / "ds")
+    assert loaded.tokens.tolist() == store.tokens.tolist() and loaded.order.tolist() == store.order.tolist()
+    assert loaded.meta["vocab_size"] == 11 and loaded.meta["num_documents"] == 2 and loaded.context == 3
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="vocabulary of 11 tokens, the model has"):
+        make_drafter("datastore", model, str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match="two directories"):
+        make_drafter(f"datastore:{tmp_path / 'ds'}", model, str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match="needs its directory"):
+        make_drafter("datastore", model)
+    with pytest.raises(ValueError, match="unknown datastore drafter option"):
+        make_drafter("datastore", model, str(tmp_path / "ds"), width=2)
+    (tmp_path / "ds" / "order.npy").write_bytes(b"garbage")
+    with pytest.raises(DamagedDirectoryError, match="order.npy"):
+        Datastore.load(tmp_path / "ds")
+    heads = tmp_path / "heads"
+    MedusaHeads.for_model(model, num_heads=1).save_pretrained(heads)
+    with pytest.raises(ValueError, match="is not a datastore"):
+        Datastore.load(heads)
+    with pytest.raises(ValueError, match="no token"):
+        Datastore.build([[], []])
+    with pytest.raises(ValueError, match="ids >= 0"):
+        Datastore.build([[1, -3]])
+    with pytest.raises(ValueError, match="min_ngram"):
+        DatastoreDrafter(store, min_ngram=5, max_ngram=2)
+
+
+def test_the_command_builds_a_datastore_from_conversations(tmp_path, capsys):
+    from selfspec.cli import main
+
+    data = write_prompt_response_data(tmp_path / "data.jsonl", n=5)
+    assert main(["datastore", "--data", str(data), "--out", str(tmp_path / "ds"), "--model", "tiny:llama",
+                 "--context", "8"]) == 0
+    assert "5 conversations" in capsys.readouterr().out
+    store = Datastore.load(tmp_path / "ds")
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["context"] == 8 and config["num_documents"] == 5 and store.meta["vocab_size"] == config["vocab_size"]
+    assert "--context 8" in (tmp_path / "ds" / "README.md").read_text()
+    # each part of a merged drafter may name its own directory, on the command line as in the benchmark
+    assert main(["generate", "--model", "tiny:llama", "--prompt", "Question 1: what is 1 plus 1?", "--json",
+                 "--draft", f"lookup+datastore:{tmp_path / 'ds'}", "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
+    assert main(["datastore", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x"),
+                 "--model", "tiny:llama"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_equality_with_the_datastore_alone_and_merged(arch, tmp_path):
+    model = tiny_model(arch, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    accepted = 0
+    for seed in range(2):
+        prompt = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(seed))
+        expected = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        # the corpus: the model's own continuations of this prompt and of others (what self-distillation stores),
+        # plus noise, so that the index proposes right and wrong continuations
+        corpus = [expected[0].tolist(), torch.randint(1, vocab, (40,), generator=g).tolist()]
+        store = Datastore.build(corpus, context=8, meta={"vocab_size": vocab})
+        store.save(tmp_path / f"ds{seed}")
+        heads = MedusaHeads.for_model(model, num_heads=2)
+        for drafter in (DatastoreDrafter(store, min_ngram=1),
+                        make_drafter(f"lookup+datastore:{tmp_path / f'ds{seed}'}", model),
+                        decoding.combine(MedusaDrafter(heads, tree=[[0], [1]]), LookupDrafter(),
+                                         DatastoreDrafter(store, nodes=6, num_tokens=6))):
+            out = decoding.generate(model, drafter, prompt, max_new_tokens=24, eos_token_id=None)
+            assert out.sequences.tolist() == expected.tolist()
+            accepted += sum(out.stats.accepted_per_step)
+    assert accepted > 0  # the datastore held the answers: drafts were accepted
