@@ -245,15 +245,16 @@ def _interpolate(latency: dict[int, float], size: float) -> float:
 
 
 def calibrate_by_replay(model: Any, heads_dir: str | Path, settings: Sequence[Setting], references: Sequence[Any], *,
-                        with_lookup: bool = False, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
+                        merged_with: str | None = None, prefix_length: int = 128, repeats: int = 7, warmup: int = 2,
                         overhead_s: float = 0.0, seed: int = 0,
                         progress: Callable[[Measured], None] | None = None) -> tuple[Measured, list[Measured]]:
     """``(best, measured)``: every setting replayed on ``references`` (``selfspec.bench.replay``) for its real tau and
     drafting cost, with the verification cost of its tree size measured on this machine; the best has the most
-    predicted tokens per second ``tau / (verify + draft + overhead_s)``. ``with_lookup`` measures each setting
-    merged with prompt lookup (``medusa+lookup``)."""
+    predicted tokens per second ``tau / (verify + draft + overhead_s)``. ``merged_with`` (a drafter spec such as
+    ``lookup`` or ``lookup+datastore:DIR``) measures each setting merged with those drafters into one tree, as it
+    will be used (``medusa+lookup``)."""
 
-    name = "medusa+lookup" if with_lookup else "medusa"
+    name = f"medusa+{merged_with}" if merged_with else "medusa"
     measured = []
     for setting in settings:
         drafter = make_drafter(name, model, str(heads_dir), **setting.options())
@@ -360,12 +361,14 @@ def parse_grid(text: str) -> list[dict[str, Any]]:
 
 
 def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: Sequence[dict[str, Any]],
-                    prompts: Sequence[Prompt], settings: GenSettings, *,
+                    prompts: Sequence[Prompt], settings: GenSettings, *, merged_with: str | None = None,
                     progress: Callable[[PolicyResult], None] | None = None) -> tuple[PolicyResult, list[PolicyResult]]:
     """Decode ``prompts`` with ``drafter_name`` under every policy of ``grid`` and with plain decoding, per prompt
     in a rotated order (so that a drifting machine slows all alike), after one warm-up each; the best policy has the
-    highest summed tokens/s. For drafters whose cost replay cannot predict (they run the base's own layers)."""
-    methods = [parse_method(f"{drafter_name}:{heads_dir}", **options) for options in grid]
+    highest summed tokens/s. For drafters whose cost replay cannot predict (they run the base's own layers).
+    ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``)."""
+    spec = f"{drafter_name}:{heads_dir}" + (f"+{merged_with}" if merged_with else "")
+    methods = [parse_method(spec, **options) for options in grid]
     for i, method in enumerate(methods):
         method.name = f"policy-{i}"
     run = run_benchmark(model, prompts, methods, settings, progress=False)

@@ -108,7 +108,11 @@ def register(subparsers) -> None:
                    help="replay, sequential heads: dynamic tree sizes to try ('' for none)")
     p.add_argument("--widths", default="2,4", help="replay: dynamic trees' paths expanded per depth")
     p.add_argument("--top-ks", default="2,4", help="replay: dynamic trees' children per expanded node")
-    p.add_argument("--with-lookup", action="store_true", help="replay: calibrate the heads merged with prompt lookup")
+    p.add_argument("--merged-with", metavar="DRAFTERS", default=None,
+                   help="calibrate the drafting as it will be used, merged into one tree with these drafters: "
+                        "lookup, or lookup+datastore:DIR")
+    p.add_argument("--with-lookup", dest="merged_with", action="store_const", const="lookup",
+                   help="the same as --merged-with lookup")
     p.add_argument("--prefix-length", type=int, default=128, help="KV-cache length during the latency runs")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size (median taken)")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed per-step cost added to every setting")
@@ -181,7 +185,7 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
     settings = settings_for(config, _ints(args.sizes), _ints(args.dynamic_sizes), _ints(args.widths),
                             _ints(args.top_ks))
     print("setting | tau | mean nodes | verify ms | draft ms | predicted tokens/s")
-    best, rows = calibrate_by_replay(model, args.heads, settings, references, with_lookup=args.with_lookup,
+    best, rows = calibrate_by_replay(model, args.heads, settings, references, merged_with=args.merged_with,
                                      prefix_length=args.prefix_length, repeats=args.repeats,
                                      overhead_s=args.overhead_ms / 1000, seed=args.seed)
     for r in rows:
@@ -189,7 +193,7 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
         print(f"{r.setting.label:32s} | {r.tau:5.2f} | {r.tree_size:6.1f} | {r.verify_s * 1e3:8.2f} | "
               f"{r.draft_s * 1e3:7.2f} | {r.tokens_per_s:7.2f}{mark}")
     if not args.dry_run:
-        report = {"mode": "replay", "chosen": best.setting.label, "with_lookup": args.with_lookup,
+        report = {"mode": "replay", "chosen": best.setting.label, "merged_with": args.merged_with,
                   "candidates": [{"setting": r.setting.label, "tree": r.setting.choices, "dynamic": r.setting.dynamic,
                                   "tau": r.tau, "tree_size": r.tree_size, "verify_s": r.verify_s,
                                   "draft_s": r.draft_s, "predicted_tokens_per_s": r.tokens_per_s} for r in rows],
@@ -224,12 +228,12 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     print(f"calibration: {len(grid)} {search.what} policies beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
     print("policy | tau | speedup | draft ms/step")
-    best, rows = search_policies(model, kind, args.heads, grid, prompts, settings,
+    best, rows = search_policies(model, kind, args.heads, grid, prompts, settings, merged_with=args.merged_with,
                                  progress=lambda r: print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | "
                                                           f"{r.draft_ms_per_step:6.2f}", flush=True))
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
     if not args.dry_run:
-        report = {"mode": "decode", "chosen": best.options,
+        report = {"mode": "decode", "chosen": best.options, "merged_with": args.merged_with,
                   "candidates": [{"policy": r.options, "tau": r.tau, "speedup": r.speedup,
                                   "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step}
                                  for r in rows],

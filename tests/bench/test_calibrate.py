@@ -151,6 +151,27 @@ def test_replay_calibration_uses_the_replayed_tau_and_the_measured_costs(monkeyp
     assert rows[0].tau == 1.0 and rows[0].tree_size == 0
 
 
+def test_replay_calibration_of_heads_merged_with_other_drafters(monkeypatch, tmp_path):
+    from decoding import make_drafter
+    from lookup.datastore import Datastore
+    from selfspec.bench.replay import make_references, replay
+
+    model = _sequential_heads(tmp_path / "heads")
+    prompt = torch.tensor([[1, 17, 4, 33, 8, 1, 17]])
+    references = make_references(model, [prompt], 16)
+    store = Datastore.build([references[0].ids[0].tolist()], context=4, meta={"vocab_size": model.config.vocab_size})
+    store.save(tmp_path / "ds")
+    monkeypatch.setattr(cal, "verify_latencies", lambda model, trees, **_: {n: 0.05 + 0.01 * n for n in trees})
+    settings = cal.settings_for(MedusaConfig.load(tmp_path / "heads"), [0, 2], [], widths=[2], top_ks=[2])
+    merged = f"lookup+datastore:{tmp_path / 'ds'}"
+    _, rows = cal.calibrate_by_replay(model, tmp_path / "heads", settings, references, merged_with=merged, repeats=1)
+    _, alone = cal.calibrate_by_replay(model, tmp_path / "heads", settings, references, repeats=1)
+    for row, single in zip(rows, alone):
+        drafter = make_drafter(f"medusa+{merged}", model, str(tmp_path / "heads"), **row.setting.options())
+        assert row.tau == pytest.approx(replay(drafter, references, model).tau)
+        assert row.tau > single.tau  # the datastore holds the very continuation: merged drafts go further
+
+
 def test_replay_calibration_command_saves_the_chosen_setting(tmp_path, capsys):
     from decoding import make_drafter
 
