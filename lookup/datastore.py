@@ -64,6 +64,9 @@ class Datastore:
             keys |= column << (self._bits * (self._packed - 1 - k))
         self._keys = keys
 
+    def __deepcopy__(self, memo: dict) -> Datastore:
+        return self  # read-only: the per-row forks of a batch (decoding.batch.fork) share one index
+
     # ------------------------------------------------------------------ building and storage
 
     @classmethod

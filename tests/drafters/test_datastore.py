@@ -146,3 +146,18 @@ def test_greedy_equality_with_the_datastore_alone_and_merged(arch, tmp_path):
             assert out.sequences.tolist() == expected.tolist()
             accepted += sum(out.stats.accepted_per_step)
     assert accepted > 0  # the datastore held the answers: drafts were accepted
+
+
+def test_batch_rows_share_one_index_and_decode_as_alone():
+    from decoding.batch import fork, generate_batch
+
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 5)]
+    expected = [model.generate(p, max_new_tokens=16, min_new_tokens=16, do_sample=False) for p in prompts]
+    store = Datastore.build([e[0].tolist() for e in expected], context=8)
+    drafter = decoding.combine(LookupDrafter(), DatastoreDrafter(store, min_ngram=1))
+    assert fork(drafter).drafters[1].datastore is store  # forks share the index, never copy it
+    out = generate_batch(model, drafter, prompts, max_new_tokens=16)
+    assert [s.tolist() for s in out.sequences] == [e.tolist() for e in expected]
+    assert all(s.tau > 1.5 for s in out.stats)  # every row's own answer is in the store
