@@ -21,16 +21,18 @@ test: install
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The main job on the embedded default: train Medusa heads with the default recipe (self-generated, self-distilled
-# data; no dataset or hub needed), calibrate their tree to this machine, then answer a sample prompt with and without them. `make demo DEMO_TRAIN=0`
-# skips training and uses the committed heads.
+# data; no dataset or hub needed), index the conversations the model wrote for it into a datastore, calibrate the
+# heads' tree to this machine, then answer three sample prompts with and without them (heads + prompt lookup +
+# datastore in one tree). `make demo DEMO_TRAIN=0` skips training and uses the committed heads with prompt lookup.
 DEMO_DIR ?= runs/demo
 DEMO_TRAIN ?= 1
 demo: install
 ifeq ($(DEMO_TRAIN),1)
 	$(PY) train/medusa.py --config configs/medusa/smollm2-135m.yaml output_dir=$(DEMO_DIR) heads_dir=$(DEMO_DIR)/heads
 	# Pick the tree that is fastest on this machine (verification cost differs a lot between CPUs and GPUs).
+	$(PY) -m selfspec.cli datastore --data $(DEMO_DIR)/distilled --out $(DEMO_DIR)/datastore
 	$(PY) -m selfspec.cli calibrate --heads $(DEMO_DIR)/heads --sizes 1,2,3,4,6,8,16 --repeats 5 --no-measure
-	$(PY) -m selfspec.cli demo --heads $(DEMO_DIR)/heads
+	$(PY) -m selfspec.cli demo --heads $(DEMO_DIR)/heads --datastore $(DEMO_DIR)/datastore
 else
 	$(PY) -m selfspec.cli demo
 endif

@@ -1,5 +1,6 @@
-"""``selfspec demo``: answer a sample prompt with and without Medusa heads (merged with prompt lookup into one tree,
-unless ``--no-lookup``); print tokens/s, tau, and whether the two answers are identical (greedy decoding is
+"""``selfspec demo``: answer a few sample prompts with and without Medusa heads (merged into one tree with prompt
+lookup, unless ``--no-lookup``, and with a ``--datastore`` of the model's own answers when given); print each
+method's tokens/s and tau per prompt and over all, and whether the answers are identical (greedy decoding is
 lossless, so they must be)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 import decoding
 import medusa
-from decoding import combine
+from decoding import combine, make_drafter
 from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.runtime.adapters import adapter_spec
@@ -24,7 +25,14 @@ from selfspec.runtime.prompts import encode_prompt
 #: The sequential (Hydra-style) heads: the best committed drafter (docs/RESULTS.md).
 DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa-seq"
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SAMPLE_PROMPT = "Explain in a few sentences why the sky is blue."
+#: What the demo answers: an explanation, a piece of code, a rewrite of a given text (requests chat users make; none
+#: is a benchmark question or in the self-distilled corpus). One answer does not show an average: the demo reports all.
+SAMPLE_PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that checks whether two words are anagrams of each other, with a short docstring.",
+    "Rewrite this note so that it sounds friendly: The meeting is moved to Friday at 3 pm. Bring the budget "
+    "report. Do not be late.",
+)
 #: New tokens of the untimed warm-up run of each method (first calls pay for lazy init and allocator growth).
 WARMUP_TOKENS = 8
 
@@ -44,7 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None,
                    help=f"alias, hub id or path of the base model (default {DEFAULT_MODEL}, or the adapted model of "
                         "Medusa-2 heads); tiny:ARCH for a test model")
-    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="the user turn to answer (chat template applied)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a user turn to answer (chat template applied); repeatable (default: three sample prompts)")
+    p.add_argument("--datastore", default=None,
+                   help="also draft from this datastore (`selfspec datastore`), merged into the same tree")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", help="draft tree: a size (8, 16, 32...), a JSON list of choices, or a JSON file "
                                   "(default: the tree saved with the heads)")
@@ -89,35 +100,46 @@ def run(args: argparse.Namespace) -> int:
     backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
     set_draft_weights(args.draft_weights)
     heads_drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on wrong heads
-    drafter = combine(heads_drafter, LookupDrafter()) if args.lookup else heads_drafter
-    input_ids = encode_prompt(tokenizer, args.prompt)
+    others = ([LookupDrafter()] if args.lookup else []) + (
+        [make_drafter("datastore", model, args.datastore)] if args.datastore else [])
+    drafter = combine(heads_drafter, *others) if others else heads_drafter
+    label = "with Medusa heads" + (" + lookup" if args.lookup else "") + (" + datastore" if args.datastore else "")
+    prompts = args.prompt or list(SAMPLE_PROMPTS)
     eos = tokenizer.eos_token_id
     print(f"model {args.model}, heads {heads_dir} ({heads_drafter.heads.config.num_heads} heads, "
           f"tree of {len(heads_drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}"
-          f"{', merged with prompt lookup' if args.lookup else ''}), {input_ids.shape[1]} prompt tokens, "
-          f"{args.threads} threads, linear backend {backend}")
-    print(f"prompt: {args.prompt}\n")
+          f"{', merged with prompt lookup' if args.lookup else ''}"
+          f"{f', datastore {args.datastore}' if args.datastore else ''}), {args.threads} threads, "
+          f"linear backend {backend}\n")
 
+    rows, differ = [], []
     with torch.inference_mode():
-        _baseline(model, input_ids, WARMUP_TOKENS, eos)
-        decoding.generate(model, drafter, input_ids, max_new_tokens=WARMUP_TOKENS, eos_token_id=eos)
-        reference, seconds = _baseline(model, input_ids, args.max_new_tokens, eos)
-        out = decoding.generate(model, drafter, input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+        warm = encode_prompt(tokenizer, prompts[0])
+        _baseline(model, warm, WARMUP_TOKENS, eos)
+        decoding.generate(model, drafter, warm, max_new_tokens=WARMUP_TOKENS, eos_token_id=eos)
+        for i, prompt in enumerate(prompts):
+            input_ids = encode_prompt(tokenizer, prompt)
+            reference, seconds = _baseline(model, input_ids, args.max_new_tokens, eos)
+            out = decoding.generate(model, drafter, input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+            length = input_ids.shape[1]
+            identical = out.sequences.tolist() == reference.tolist()
+            rows.append((reference.shape[1] - length, seconds, out.stats, identical))
+            print(f"[{i + 1}] {prompt}\n{tokenizer.decode(out.sequences[0, length:], skip_special_tokens=True).strip()}\n")
+            if not identical:
+                differ.append((i, tokenizer.decode(reference[0, length:], skip_special_tokens=True).strip()))
 
-    prompt_length = input_ids.shape[1]
-    baseline_tokens = reference.shape[1] - prompt_length
-    baseline_speed = baseline_tokens / seconds if seconds > 0 else 0.0
-    stats = out.stats
-    text = tokenizer.decode(out.sequences[0, prompt_length:], skip_special_tokens=True)
-    identical = out.sequences.tolist() == reference.tolist()
-    print(f"answer: {text.strip()}\n")
-    print(f"{'method':<27} {'tokens':>6} {'tokens/s':>9} {'tau':>5}")
-    print(f"{'without heads (HF)':<27} {baseline_tokens:>6} {baseline_speed:>9.1f} {1.0:>5.2f}")
-    print(f"{'with Medusa heads' + (' + lookup' if args.lookup else ''):<27} {stats.new_tokens:>6} {stats.tokens_per_s:>9.1f} {stats.tau:>5.2f}")
-    speedup = stats.tokens_per_s / baseline_speed if baseline_speed > 0 else float("nan")
-    print(f"speedup {speedup:.2f}x; texts identical: {'yes' if identical else 'NO'}")
-    if not identical:
-        reference_text = tokenizer.decode(reference[0, prompt_length:], skip_special_tokens=True)
-        print(f"\nwithout heads: {reference_text.strip()}")
-        return 1
-    return 0
+    print(f"tokens/s without heads (HF greedy generate) and {label}:")
+    print(f"{'prompt':<7} {'tokens':>6} {'without':>8} {'with':>8} {'tau':>5} {'speedup':>8}")
+    for i, (tokens, seconds, stats, _) in enumerate(rows):
+        base = tokens / seconds if seconds > 0 else 0.0
+        print(f"{f'[{i + 1}]':<7} {tokens:>6} {base:>8.1f} {stats.tokens_per_s:>8.1f} {stats.tau:>5.2f} "
+              f"{stats.tokens_per_s / base if base else float('nan'):>7.2f}x")
+    base_tokens, base_seconds = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    new_tokens = sum(r[2].new_tokens for r in rows)
+    new_seconds = sum(r[2].new_tokens / r[2].tokens_per_s for r in rows if r[2].tokens_per_s > 0)
+    speedup = (new_tokens / new_seconds) / (base_tokens / base_seconds) if new_seconds and base_seconds else float("nan")
+    print(f"all: speedup {speedup:.2f}x over HF greedy generate; answers identical: "
+          f"{len(rows) - len(differ)}/{len(rows)}")
+    for i, text in differ:
+        print(f"\n[{i + 1}] without heads: {text}")
+    return 1 if differ else 0

@@ -421,8 +421,24 @@ def test_demo_on_a_tiny_model(tmp_path, capsys, lookup):
                "--threads", "1", "--tree", "8"] + ([] if lookup else ["--no-lookup"]))
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "texts identical: yes" in out and "tokens/s" in out and "tree of 8 nodes" in out
+    assert "answers identical: 3/3" in out and "tokens/s" in out and "tree of 8 nodes" in out
     assert ("merged with prompt lookup" in out) == lookup and ("with Medusa heads + lookup" in out) == lookup
+    assert out.count("x\n") >= 3  # a speedup per prompt
+
+
+def test_demo_with_a_datastore_and_own_prompts(tmp_path, capsys):
+    from lookup.datastore import Datastore
+    from selfspec.cli import main
+    from selfspec.runtime.models import load_model
+
+    model, _ = load_model("tiny:llama")
+    randomize_heads(MedusaHeads.for_model(model, num_heads=2), scale=0.05).save_pretrained(tmp_path / "h")
+    Datastore.build([[5, 6, 7, 8]], meta={"vocab_size": model.config.vocab_size}).save(tmp_path / "ds")
+    rc = main(["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "h"), "--max-new-tokens", "8",
+               "--threads", "1", "--datastore", str(tmp_path / "ds"), "--prompt", "one", "--prompt", "two"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "answers identical: 2/2" in out and "+ lookup + datastore" in out and "[1] one" in out and "[2] two" in out
 
 
 def test_demo_errors(tmp_path, capsys):
