@@ -161,3 +161,29 @@ def test_batch_rows_share_one_index_and_decode_as_alone():
     out = generate_batch(model, drafter, prompts, max_new_tokens=16)
     assert [s.tolist() for s in out.sequences] == [e.tolist() for e in expected]
     assert all(s.tau > 1.5 for s in out.stats)  # every row's own answer is in the store
+
+
+@pytest.mark.real_model
+@pytest.mark.xdist_group("real_model")
+def test_smollm2_with_a_datastore_of_its_own_answers_on_the_skinny_kernel(smollm2):
+    """The setting of the benchmark: the model's own greedy answers to other prompts indexed, then prompt lookup +
+    datastore on the skinny kernel, against HF generate on the same kernel."""
+    from selfspec.runtime.kernels import linear_backend
+    from selfspec.runtime.prompts import encode_prompt
+    from selfspec.testing import hf_greedy_continuations
+
+    model, tokenizer = smollm2
+    with linear_backend(model, "skinny"):
+        corpus = hf_greedy_continuations(model, tokenizer, ("List three fruits.", "Write a Python function that adds "
+                                         "two numbers.", "Explain what a noun is."), 48)
+        store = Datastore.build([ids[0] for ids in corpus.values()], meta={"vocab_size": model.config.vocab_size})
+        drafter = decoding.combine(LookupDrafter(), DatastoreDrafter(store))
+        references = hf_greedy_continuations(model, tokenizer, ("List three vegetables.", "Write a Python function "
+                                             "that multiplies two numbers."), 48)
+        taus = []
+        for text, expected in references.items():
+            ids = encode_prompt(tokenizer, text)
+            out = decoding.generate(model, drafter, ids, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+            assert out.sequences.tolist() == expected, text
+            taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.3, taus
