@@ -211,7 +211,7 @@ class DatastoreDrafter(DrafterBase):
         self.vocab_size = datastore.meta.get("vocab_size")
 
     def propose(self, state: DecodeState) -> DraftTree | None:
-        sequence = state.sequence[0].numpy()
+        sequence = state.sequence[0].detach().cpu().numpy()
         n, lo, hi = self.datastore.match(sequence, self.max_ngram)
         if n < self.min_ngram:
             return None

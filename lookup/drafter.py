@@ -42,10 +42,10 @@ def suffix_matches(sequence: np.ndarray, max_ngram: int) -> np.ndarray:
     return matches
 
 
-def latest_occurrences(sequence: torch.Tensor, max_ngram: int, min_ngram: int) -> tuple[int, np.ndarray]:
+def latest_occurrences(sequence: torch.Tensor | np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, np.ndarray]:
     """``(n, ends)``: the longest ``n`` (``min_ngram <= n <= max_ngram``) for which the sequence's last ``n`` tokens
     occurred earlier, and the end positions of those occurrences, most recent first; ``(0, [])`` when none did."""
-    tokens = sequence.detach().cpu().numpy()
+    tokens = sequence.detach().cpu().numpy() if isinstance(sequence, torch.Tensor) else sequence
     matches = suffix_matches(tokens, max_ngram)
     best = int(matches.max()) if matches.size else 0
     if best < min_ngram:
@@ -112,13 +112,12 @@ class LookupDrafter(DrafterBase):
         self.num_candidates, self.nodes, self.tokens_per_match = num_candidates, nodes, tokens_per_match
 
     def propose(self, state: DecodeState) -> DraftTree | None:
-        sequence = state.sequence[0]
-        n, ends = latest_occurrences(sequence, self.max_ngram, self.min_ngram)
+        tokens = state.sequence[0].detach().cpu().numpy()
+        n, ends = latest_occurrences(tokens, self.max_ngram, self.min_ngram)
         if not n:
             return None
         depth = self.num_tokens if self.tokens_per_match is None else min(self.num_tokens, self.tokens_per_match * n)
-        tokens = sequence.tolist()
-        continuations = [tokens[end + 1:end + 1 + depth] for end in ends[:self.num_candidates].tolist()]
+        continuations = [tokens[end + 1:end + 1 + depth].tolist() for end in ends[:self.num_candidates].tolist()]
         nodes = self.nodes if self.nodes is not None else depth * len(continuations)
         return count_tree(continuations, nodes)
 
