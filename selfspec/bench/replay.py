@@ -84,6 +84,7 @@ class Replay:
     tokens: int = 0
     tree_nodes: int = 0
     per_prompt: list[float] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)  # draft nodes of every step's tree, in order
 
     @property
     def tau(self) -> float:
@@ -121,6 +122,7 @@ def replay(drafter: Drafter, references: Sequence[Reference], model: Any = None)
             step = min(len(accepted) + 1, total - root - 1)
             steps, tokens = steps + 1, tokens + step
             result.tree_nodes += 0 if tree is None else len(tree)
+            result.tree_sizes.append(0 if tree is None else len(tree))
             new_root = root + step
             state.sequence = ids[:, :new_root + 1]
             state.hidden = {layer: reference.hidden[layer][:, root:new_root] for layer in layers}
