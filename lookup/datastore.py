@@ -12,7 +12,9 @@ search inside the previous range: the longest match costs ``n`` searches. The co
 ``max_occurrences`` of) those positions are counted into a tree (``lookup.tree.count_tree``).
 
 A directory holds ``tokens.npy`` (the corpus, documents separated by -1), ``order.npy`` (the index), ``config.json``
-and a card; ``selfspec datastore`` builds one from any ShareGPT/Alpaca dataset.
+and a card; ``selfspec datastore`` builds one from any ShareGPT/Alpaca dataset. Memory: a loaded datastore holds
+about 20 bytes per corpus token (35 MB for the 1.77M tokens of the self-distilled corpus); building sorts by
+``context`` keys at once, about 4 x (context + 4) bytes per token.
 """
 
 from __future__ import annotations
