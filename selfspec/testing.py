@@ -3,6 +3,7 @@ is lossless whatever is proposed, and assertions several test modules make."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from selfspec.runtime.tiny import ARCHITECTURES, TINY_CONFIGS, byte_tokenizer, t
 __all__ = [
     "ARCHITECTURES", "LLAMA_FAMILY", "MEDUSA_TEST_TREES", "TINY_CONFIGS", "OracleDrafter", "RandomDrafter",
     "assert_linear_backend_is_exact_and_lossless", "assert_random_trees_decode_losslessly", "attention_classifier",
-    "byte_tokenizer", "early_exit_overrides", "greedy_reference", "hf_greedy_continuations", "prefilled_state", "prefix_heads", "random_prompt",
+    "byte_tokenizer", "early_exit_overrides", "greedy_reference", "hf_greedy_continuations", "load_script",
+    "prefilled_state", "prefix_heads", "random_prompt",
     "randomize_heads", "sequential_heads", "snapshot", "tiny_config", "tiny_model", "write_prompt_response_data",
 ]
 
@@ -320,3 +322,12 @@ def assert_decodes_like_references(model, tokenizer, drafter, references: dict[s
         assert out.sequences.tolist() == expected, text
         taus.append(out.stats.tau)
     return taus
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` of this repository imported as a module (scripts are entry points, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

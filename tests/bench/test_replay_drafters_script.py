@@ -3,9 +3,7 @@ tau equals a decode's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,16 +11,12 @@ import decoding
 from decoding import make_drafter
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "replay_drafters.py"
+from selfspec.testing import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("replay_drafters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("replay_drafters")
 
 
 def test_options_and_costs(script):

@@ -3,25 +3,17 @@ made the decode way (the verified prefix extended position by position, one draf
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from eagle.model import DraftCache
 from selfspec.runtime.tiny import tiny_model
-from selfspec.testing import eagle_draft, random_prompt
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "draft_accuracy.py"
+from selfspec.testing import eagle_draft, load_script, random_prompt
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("draft_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("draft_accuracy")
 
 
 def decode_way(model, draft, full, start, depths):
