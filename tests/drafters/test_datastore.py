@@ -17,6 +17,7 @@ from lookup import LookupDrafter
 from lookup.datastore import SEPARATOR, Datastore, DatastoreDrafter
 from medusa import MedusaDrafter, MedusaHeads
 from selfspec.runtime.io import DamagedDirectoryError
+from selfspec.runtime.models import load_model
 from selfspec.testing import ARCHITECTURES, tiny_model, write_prompt_response_data
 
 
@@ -114,6 +115,15 @@ def test_the_command_builds_a_datastore_from_conversations(tmp_path, capsys):
     config = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert config["context"] == 8 and config["num_documents"] == 5 and store.meta["vocab_size"] == config["vocab_size"]
     assert "--context 8" in (tmp_path / "ds" / "README.md").read_text()
+    # only the assistant turns: each answer is one document, and every token of it is indexed
+    assert main(["datastore", "--data", str(data), "--out", str(tmp_path / "answers"), "--model", "tiny:llama",
+                 "--turns", "assistant"]) == 0
+    answers = Datastore.load(tmp_path / "answers")
+    assert answers.meta["turns"] == "assistant" and answers.meta["num_documents"] == 5
+    assert answers.meta["num_tokens"] < store.meta["num_tokens"]
+    _, tokenizer = load_model("tiny:llama")
+    text = tokenizer.decode([t for t in answers.tokens.tolist() if t >= 0])
+    assert "1 plus 1 is 2." in text and "Question" not in text
     # each part of a merged drafter may name its own directory, on the command line as in the benchmark
     assert main(["generate", "--model", "tiny:llama", "--prompt", "Question 1: what is 1 plus 1?", "--json",
                  "--draft", f"lookup+datastore:{tmp_path / 'ds'}", "--max-new-tokens", "6"]) == 0
