@@ -57,25 +57,48 @@ def drafter_factory(name: str) -> DrafterFactory:
     return installed[name].load()
 
 
+def parse_part(text: str) -> tuple[str, str | None, dict[str, str]]:
+    """One drafter of a spec, ``NAME[:DIR][[key=value,...]]`` -> ``(name, dir or None, options)``:
+    ``"datastore:runs/ds[nodes=3]"`` -> ``("datastore", "runs/ds", {"nodes": "3"})``. Values stay strings (each
+    drafter's factory reads its own).
+
+    Raises:
+        ValueError: an option without ``=``.
+    """
+    text = text.strip()
+    options: dict[str, str] = {}
+    if text.endswith("]") and "[" in text:
+        text, inner = text[:text.rindex("[")], text[text.rindex("[") + 1:-1]
+        for item in filter(None, (i.strip() for i in inner.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"drafter option {item!r} in {text}[{inner}]: write key=value")
+            options[key.strip()] = value.strip()
+    name, _, directory = text.partition(":")
+    return name, directory or None, options
+
+
 def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options: Any) -> Drafter:
     """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.combine``).
 
-    Each part may name its own directory, as benchmark methods do: ``"medusa:HEADS+lookup+datastore:STORE"``. A
-    part without one gets ``heads_dir`` if it is the first. Unprefixed ``options`` go to the first drafter;
-    ``"b.key"`` options go to drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR,
-    **{"lookup.num_tokens": 6})``).
+    Each part may name its own directory and options, as benchmark methods do:
+    ``"medusa:HEADS+lookup[nodes=8]+datastore:STORE"`` (``parse_part``). A part without a directory gets
+    ``heads_dir`` if it is the first. Unprefixed ``options`` go to the first drafter; ``"b.key"`` options go to
+    drafter ``b`` (e.g. ``make_drafter("medusa+lookup", model, DIR, **{"lookup.num_tokens": 6})``).
 
     Raises:
         KeyError: unknown drafter name (the message lists the known ones).
-        ValueError: a directory given both in ``name`` and as ``heads_dir`` for the same drafter.
+        ValueError: a directory given both in ``name`` and as ``heads_dir`` for the same drafter; a malformed option.
     """
-    parts = []
-    for i, part in enumerate(name.split("+")):
-        part_name, _, part_dir = part.partition(":")
+    parts, options = [], dict(options)
+    pieces = [parse_part(part) for part in name.split("+")]
+    for i, (part_name, part_dir, part_options) in enumerate(pieces):
         if part_dir and i == 0 and heads_dir is not None:
             raise ValueError(f"drafter {part_name!r} is given two directories: {part_dir!r} in {name!r} and "
                              f"{heads_dir!r}; give one")
         parts.append((part_name, part_dir or (heads_dir if i == 0 else None)))
+        prefix = f"{part_name}." if len(pieces) > 1 else ""
+        options.update({prefix + key: value for key, value in part_options.items()})
     if len(parts) > 1:
         return make_combined(parts, model, options)
     return drafter_factory(parts[0][0])(model, parts[0][1], **options)

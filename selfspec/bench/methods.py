@@ -17,7 +17,7 @@ import torch
 
 from decoding import generate
 from decoding.drafter import SamplingParams
-from decoding.registry import available_drafters, make_combined, make_drafter
+from decoding.registry import available_drafters, make_combined, make_drafter, parse_part
 from selfspec.runtime.kernels import BACKENDS, linear_backend
 from selfspec.runtime.layers import decoder_layers
 
@@ -82,7 +82,8 @@ def available_methods() -> list[str]:
 
 
 def parse_method(spec: str, **options: Any) -> Method:
-    """Build the method named by ``spec`` (``NAME`` or ``NAME:ARG``); ``options`` go to a drafter's factory.
+    """Build the method named by ``spec`` (``NAME``, ``NAME:ARG``, each drafter optionally with ``[key=value,...]``:
+    ``lookup[nodes=8]+datastore:DIR``); ``options`` go to a drafter's factory.
 
     Raises:
         KeyError: unknown method name (the message lists the known ones).
@@ -95,18 +96,21 @@ def parse_method(spec: str, **options: Any) -> Method:
             raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
                              f"(choose one of {', '.join(BACKENDS)})")
         return BackendMethod(spec.strip(), parse_method(body, **options), backend)
-    if "+" in body:  # drafters combined into one tree, each NAME[:ARG]: medusa:DIR+lookup
-        parts = [(n, a or None) for n, _, a in (part.partition(":") for part in body.split("+"))]
-        unknown = [n for n, _ in parts if n not in available_drafters()]
+    if "+" in body:  # drafters combined into one tree, each NAME[:ARG][[options]]: medusa:DIR+lookup[nodes=8]
+        pieces = [parse_part(part) for part in body.split("+")]
+        unknown = [n for n, _, _ in pieces if n not in available_drafters()]
         if unknown:
             raise KeyError(f"unknown drafter {unknown[0]!r} in {body!r}; available: {', '.join(available_drafters())}")
-        return DrafterMethod(body, "+".join(n for n, _ in parts), None, options, parts=parts)
-    name, _, arg = body.partition(":")
-    arg = arg or None
+        routed = dict(options)
+        for n, _, part_options in pieces:
+            routed.update({f"{n}.{key}": value for key, value in part_options.items()})
+        return DrafterMethod(body, "+".join(n for n, _, _ in pieces), None, routed,
+                             parts=[(n, a) for n, a, _ in pieces])
+    name, arg, part_options = parse_part(body)
     if name in _METHODS:
-        return _METHODS[name](arg, options)
+        return _METHODS[name](arg, {**options, **part_options})
     if name in available_drafters():
-        return DrafterMethod(body, name, arg, options)
+        return DrafterMethod(body, name, arg, {**options, **part_options})
     raise KeyError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
 
 

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from decoding import available_drafters, generate, make_drafter
+from decoding.registry import parse_part
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_int, probability, temperature
 from selfspec.runtime.adapters import adapter_spec
@@ -36,7 +37,10 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def _drafter_name(text: str) -> str:
-    names = [part.partition(":")[0] for part in text.split("+")]
+    try:
+        names = [parse_part(part)[0] for part in text.split("+")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     unknown = [name for name in names if name not in available_drafters()]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}; choose from "

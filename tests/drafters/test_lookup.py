@@ -167,3 +167,32 @@ def test_combined_drafters_from_the_registry_and_the_benchmark(tmp_path):
     assert method.generate(model, prompt, settings).tokens == parse_method("vanilla").generate(model, prompt, settings).tokens
     with pytest.raises(KeyError, match="unknown drafter 'medusae'"):
         parse_method("medusae:x+lookup")
+
+
+def test_drafter_specs_carry_per_drafter_options(tmp_path):
+    from decoding.registry import parse_part
+    from selfspec.bench.methods import GenSettings, parse_method
+
+    assert parse_part("datastore:runs/ds[nodes=3, min_ngram=1]") == (
+        "datastore", "runs/ds", {"nodes": "3", "min_ngram": "1"})
+    assert parse_part("lookup") == ("lookup", None, {}) and parse_part("medusa:d") == ("medusa", "d", {})
+    with pytest.raises(ValueError, match="write key=value"):
+        parse_part("lookup[nodes]")
+    model = tiny_model("llama")
+    spec = "lookup[max_ngram=3,num_tokens=4,num_candidates=1,nodes=none,tokens_per_match=none]"
+    classic = make_drafter(spec, model)
+    assert (classic.max_ngram, classic.num_tokens, classic.nodes, classic.tokens_per_match) == (3, 4, None, None)
+    MedusaHeads.for_model(model, num_heads=2).save_pretrained(tmp_path / "h")
+    merged = make_drafter(f"medusa:{tmp_path / 'h'}[tree=3]+lookup[nodes=2]", model)
+    assert len(merged.drafters[0].template) == 3 and merged.drafters[1].nodes == 2
+    # the benchmark: two settings of one drafter side by side in one run
+    methods = [parse_method("lookup[num_tokens=2,tokens_per_match=none]"), parse_method("lookup"),
+               parse_method(f"medusa:{tmp_path / 'h'}+lookup[nodes=1]")]
+    assert methods[0].drafter(model).num_tokens == 2 and methods[1].drafter(model).num_tokens == 15
+    assert methods[2].drafter(model).drafters[1].nodes == 1
+    prompt = _repetitive_prompt(model.config.vocab_size, 0)
+    settings = GenSettings(max_new_tokens=12)
+    expected = parse_method("vanilla").generate(model, prompt, settings).tokens
+    assert all(m.generate(model, prompt, settings).tokens == expected for m in methods)
+    with pytest.raises(ValueError, match="unknown lookup drafter option"):
+        parse_method("lookup[width=2]").drafter(model)
