@@ -81,6 +81,29 @@ def available_methods() -> list[str]:
     return sorted(set(_METHODS) | set(available_drafters()))
 
 
+def split_methods(text: str) -> list[str]:
+    """A comma-separated list of method specs, commas inside a drafter's ``[...]`` options kept:
+    ``"vanilla,lookup[nodes=8,num_tokens=4]"`` -> ``["vanilla", "lookup[nodes=8,num_tokens=4]"]``.
+
+    Raises:
+        ValueError: unbalanced brackets.
+    """
+    specs, current, depth = [], [], 0
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0:
+            raise ValueError(f"methods {text!r}: a ']' without its '['")
+        if char == "," and depth == 0:
+            specs.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth:
+        raise ValueError(f"methods {text!r}: a '[' without its ']'")
+    specs.append("".join(current))
+    return [s.strip() for s in specs if s.strip()]
+
+
 def parse_method(spec: str, **options: Any) -> Method:
     """Build the method named by ``spec`` (``NAME``, ``NAME:ARG``, each drafter optionally with ``[key=value,...]``:
     ``lookup[nodes=8]+datastore:DIR``); ``options`` go to a drafter's factory.

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from decoding.drafter import SamplingParams
-from selfspec.bench.methods import GenSettings, parse_method
+from selfspec.bench.methods import GenSettings, parse_method, split_methods
 from selfspec.bench.report import markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
 from selfspec.cli.checks import positive_int, positive_ints, probability, temperature
@@ -82,7 +82,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    specs = [s for s in args.methods.split(",") if s.strip()]
+    specs = split_methods(args.methods)
     methods = [parse_method(s) for s in specs]  # fail on a bad spec before loading anything
     model, tokenizer = load_model(args.model)
     backend = apply_backend(model, args)

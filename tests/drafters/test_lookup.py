@@ -196,3 +196,19 @@ def test_drafter_specs_carry_per_drafter_options(tmp_path):
     assert all(m.generate(model, prompt, settings).tokens == expected for m in methods)
     with pytest.raises(ValueError, match="unknown lookup drafter option"):
         parse_method("lookup[width=2]").drafter(model)
+
+
+def test_method_lists_keep_commas_inside_options(tmp_path, capsys):
+    from selfspec.bench.methods import split_methods
+    from selfspec.cli import main
+
+    assert split_methods("vanilla, lookup[nodes=8,num_tokens=4],medusa:d+lookup[nodes=2] ,") == [
+        "vanilla", "lookup[nodes=8,num_tokens=4]", "medusa:d+lookup[nodes=2]"]
+    for bad in ("lookup[nodes=8", "lookup]"):
+        with pytest.raises(ValueError, match="without its"):
+            split_methods(bad)
+    assert main(["bench", "--model", "tiny:llama", "--limit", "1", "--max-new-tokens", "6", "--threads", "1",
+                 "--methods", "vanilla,lookup[num_tokens=2,tokens_per_match=none],lookup", "--out",
+                 str(tmp_path / "b"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "lookup[num_tokens=2,tokens_per_match=none]" in out
