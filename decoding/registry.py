@@ -90,7 +90,22 @@ def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options:
         KeyError: unknown drafter name (the message lists the known ones).
         ValueError: a directory given both in ``name`` and as ``heads_dir`` for the same drafter; a malformed option.
     """
-    parts, options = [], dict(options)
+    parts, options = resolve_spec(name, heads_dir, options)
+    if len(parts) > 1:
+        return make_combined(parts, model, options)
+    return drafter_factory(parts[0][0])(model, parts[0][1], **options)
+
+
+def resolve_spec(name: str, heads_dir: str | None = None,
+                 options: dict[str, Any] | None = None) -> tuple[list[tuple[str, str | None]], dict[str, Any]]:
+    """``(parts, options)`` of drafter spec ``name`` (see ``make_drafter``): ``[(drafter, directory or None)]``, and
+    ``options`` with each part's own ``[key=value]`` options added, prefixed ``drafter.`` in a combination (the
+    routing ``make_combined`` reads).
+
+    Raises:
+        ValueError: a directory given both in ``name`` and as ``heads_dir`` for the first drafter; a malformed option.
+    """
+    parts, options = [], dict(options or {})
     pieces = [parse_part(part) for part in name.split("+")]
     for i, (part_name, part_dir, part_options) in enumerate(pieces):
         if part_dir and i == 0 and heads_dir is not None:
@@ -99,9 +114,7 @@ def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options:
         parts.append((part_name, part_dir or (heads_dir if i == 0 else None)))
         prefix = f"{part_name}." if len(pieces) > 1 else ""
         options.update({prefix + key: value for key, value in part_options.items()})
-    if len(parts) > 1:
-        return make_combined(parts, model, options)
-    return drafter_factory(parts[0][0])(model, parts[0][1], **options)
+    return parts, options
 
 
 def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:

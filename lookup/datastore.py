@@ -61,8 +61,9 @@ class Datastore:
         self._bits = max(1, top.bit_length())
         self._packed = max(1, min(self.context, 63 // self._bits))
         keys = np.zeros(self.order.size, dtype=np.int64)
+        at = self.order.astype(np.int64) + self.context  # each position in the padded corpus
         for k in range(self._packed):  # token + 1, so that the separator (-1) packs as 0
-            column = self._padded[self.order.astype(np.int64) + self.context - k].astype(np.int64) + 1
+            column = self._padded[at - k].astype(np.int64) + 1
             keys |= column << (self._bits * (self._packed - 1 - k))
         self._keys = keys
 

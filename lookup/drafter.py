@@ -2,7 +2,7 @@
 
 Prompt lookup (Saxena, 2023; HF ``prompt_lookup_num_tokens``) proposes one fixed-length chain: the continuation of the
 latest earlier occurrence of the last n-gram, n <= 3. Two things it leaves on the table, both measured on the greedy
-answers of MT-bench questions 1-40 (docs/RESULTS.md, "Prompt lookup as a tree"):
+answers of MT-bench questions 1-40 (docs/RESULTS.md, "Drafts without a model"):
 
 - **How much to propose depends on how long the match is.** A one-token match is a weak hint; a 10-token match (a
   quoted passage, a code block being rewritten, a small model repeating itself) is usually followed by exactly what

@@ -17,7 +17,7 @@ import torch
 
 from decoding import generate
 from decoding.drafter import SamplingParams
-from decoding.registry import available_drafters, make_combined, make_drafter, parse_part
+from decoding.registry import available_drafters, make_combined, make_drafter, parse_part, resolve_spec
 from selfspec.runtime.kernels import BACKENDS, linear_backend
 from selfspec.runtime.layers import decoder_layers
 
@@ -120,15 +120,11 @@ def parse_method(spec: str, **options: Any) -> Method:
                              f"(choose one of {', '.join(BACKENDS)})")
         return BackendMethod(spec.strip(), parse_method(body, **options), backend)
     if "+" in body:  # drafters combined into one tree, each NAME[:ARG][[options]]: medusa:DIR+lookup[nodes=8]
-        pieces = [parse_part(part) for part in body.split("+")]
-        unknown = [n for n, _, _ in pieces if n not in available_drafters()]
+        parts, routed = resolve_spec(body, None, options)
+        unknown = [n for n, _ in parts if n not in available_drafters()]
         if unknown:
             raise KeyError(f"unknown drafter {unknown[0]!r} in {body!r}; available: {', '.join(available_drafters())}")
-        routed = dict(options)
-        for n, _, part_options in pieces:
-            routed.update({f"{n}.{key}": value for key, value in part_options.items()})
-        return DrafterMethod(body, "+".join(n for n, _, _ in pieces), None, routed,
-                             parts=[(n, a) for n, a, _ in pieces])
+        return DrafterMethod(body, "+".join(n for n, _ in parts), None, routed, parts=parts)
     name, arg, part_options = parse_part(body)
     if name in _METHODS:
         return _METHODS[name](arg, {**options, **part_options})

@@ -54,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model alias, hub id or local path (default: the embedded model)")
     p.add_argument("--draft", default="none", type=_drafter_name,
                    help=f"drafter: one of {', '.join(available_drafters())}, or several joined by '+' into one tree "
-                        "(medusa+lookup); a part may name its own directory (lookup+datastore:DIR); "
-                        "default none")
+                        "(medusa+lookup); a part may name its own directory and options "
+                        "(lookup[nodes=8]+datastore:DIR); default none")
     p.add_argument("--heads", default=None, help="directory of trained heads / classifier / layer-skip config")
     p.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra drafter option, repeatable (e.g. tree_size=16)")
