@@ -170,7 +170,7 @@ def flat_config(config) -> dict:
 #: keys a resumed run may change without --allow-changed: budgets, lengths, logging and where things are written
 RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "hidden_cache_layers", "optim.max_minutes", "optim.max_steps",
                      "optim.epochs", "logging.report_to", "logging.project", "logging.log_every",
-                     "logging.save_every", "logging.keep_last")
+                     "logging.save_every", "logging.keep_last", "logging.eval_every")
 
 
 def _flat(data: dict, prefix: str = "") -> dict:
@@ -284,6 +284,7 @@ class LoggingConfig:
     log_every: int = 10  # optimizer steps between logged training losses
     save_every: int | None = None  # optimizer steps between checkpoints (None: only at the end)
     keep_last: int = 2  # checkpoints kept on disk
+    eval_every: int | None = None  # optimizer steps between held-out evaluations during training (None: at the end only)
 
 
 @dataclasses.dataclass

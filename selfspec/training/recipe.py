@@ -194,6 +194,8 @@ class Recipe:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.{self.loss_digits}f}",
                             tok_s=f"{tokens_seen * acc.num_processes / max(1e-9, time.time() - started):.0f}")
+            if cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0 and self.step < self.total_steps:
+                self.evaluate_during_training()
             if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
             if budget is not None and self.step < self.total_steps and self._out_of_time(started, budget):
@@ -207,6 +209,15 @@ class Recipe:
         if self.final_checkpoint and self.history and not self.stopped_early:
             self.save_checkpoint()
         self.train_seconds = time.time() - started
+
+    def evaluate_during_training(self):
+        """The held-out evaluation at this step (``logging.eval_every``), appended to ``metrics.jsonl`` as
+        ``{"step", "eval": true, ...}`` (the learning curve) and sent to the trackers; training then resumes."""
+        metrics = self.evaluate()
+        self._append_metrics({"step": self.step, "eval": True, **metrics})
+        if tracked := self.tracked_eval(metrics):
+            self.accelerator.log(tracked, step=self.step)
+        self.model.train()
 
     def _out_of_time(self, started: float, budget: float) -> bool:
         """Whether the budget is spent, decided by the main process for all (so every process stops together)."""

@@ -20,11 +20,6 @@ from selfspec.testing import early_exit_overrides
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "early_exit" / "tiny.yaml"
 
-
-
-
-
-
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "early_exit").glob("*.yaml")), ids=lambda p: p.name)
 def test_configs_load(path):
     cfg = T.load_config(exit_recipe.EarlyExitRecipeConfig, path)
@@ -95,3 +90,18 @@ def test_attention_adapter_trains_on_full_sequences_and_drafts_losslessly(tmp_pa
 def test_bad_classifier_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):
         T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, override.split())
+
+
+def test_evaluation_during_training_logs_a_learning_curve_and_leaves_training_unchanged(tmp_path):
+    steps = {"optim.max_steps": 6}
+    exit_recipe.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "plain", **steps)])
+    exit_recipe.main(["--config", str(TINY), *early_exit_overrides(tmp_path, "curve", **steps, **{"logging.eval_every": 2})])
+    records = [json.loads(line) for line in (tmp_path / "curve" / "metrics.jsonl").read_text().splitlines()]
+    curve = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in curve] == [2, 4]  # the final evaluation (step 6) is the run's own, as without it
+    assert all(0 <= r["top1_agreement"] <= 1 and r["eval_positions"] > 0 for r in curve)
+    assert records[-1]["step"] == 6 and "top1_agreement" in records[-1]
+    plain = load_file(str(tmp_path / "plain" / "heads" / "model.safetensors"))
+    evaluated = load_file(str(tmp_path / "curve" / "heads" / "model.safetensors"))
+    for name in plain:  # evaluating switched modes and ran the base, but trained nothing and drew no random numbers
+        torch.testing.assert_close(evaluated[name], plain[name], rtol=0, atol=0)
