@@ -28,3 +28,20 @@ def test_evaluations_during_training_form_a_learning_curve(tmp_path, module, con
     assert final["step"] == 5 and not final.get("eval")
     # the same metrics as the final evaluation's, at every point of the curve
     assert all(set(r) - {"eval"} == set(final) for r in curve), (curve, final)
+
+
+def test_plot_metrics_tabulates_and_plots_the_curve(tmp_path, capsys):
+    import early_exit.recipe as exit_recipe
+    from selfspec.testing import early_exit_overrides, load_script
+
+    exit_recipe.main(["--config", str(ROOT / "configs/early_exit/tiny.yaml"),
+                      *early_exit_overrides(tmp_path, "run", **{"optim.max_steps": 6, "logging.eval_every": 2})])
+    capsys.readouterr()
+    plot = load_script("plot_metrics")
+    assert plot.main([str(tmp_path / "run"), "--keys", "top1_agreement"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| step | top1_agreement |"
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| 2", "| 4", "| 6"]  # the curve, then the final eval
+    assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        plot.main([str(tmp_path / "nowhere")])
