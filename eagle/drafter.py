@@ -24,7 +24,8 @@ import torch
 
 from decoding.drafter import DecodeState, DrafterBase
 from decoding.tree import DraftTree, TreeTemplate
-from eagle.model import DraftCache, EagleDraftModel, from_pretrained
+from eagle.export import load_drafter
+from eagle.model import DraftCache, EagleDraftModel
 from selfspec.runtime.kernels import follow_backend
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
@@ -226,7 +227,7 @@ class EagleDrafter(DrafterBase):
 
 def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **options) -> EagleDrafter:
     """The drafter saved in ``heads_dir`` on ``model``; ``options`` override the saved default policy."""
-    draft = from_pretrained(heads_dir, model)
+    draft = load_drafter(heads_dir, model)  # selfspec's own directory, or a speculators / SGLang export
     settings = {**(draft.config.decoding or {}), **options}
     if "tree" in settings and settings["tree"] is not None:
         settings["tree"] = tuple(tuple(int(r) for r in c) for c in settings["tree"])

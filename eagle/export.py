@@ -1,10 +1,15 @@
-"""The feature drafter in the directory format vLLM serves EAGLE-3 drafters from (vLLM ``speculators``' ``eagle3``),
-and back.
+"""The feature drafter in the directory formats serving engines load EAGLE-3 drafters from, and back.
 
     selfspec export --format speculators --heads heads/smollm2-135m-instruct-eagle3 --out OUT
     vllm serve BASE --speculative-config '{"model": "OUT", "num_speculative_tokens": 4, "method": "eagle3"}'
 
-Layout written (what speculators' ``Eagle3Speculator`` and vLLM's ``Eagle3LlamaForCausalLM`` read):
+    selfspec export --format eagle3 --heads heads/smollm2-135m-instruct-eagle3 --out OUT
+    python -m sglang.launch_server --model BASE --speculative-algorithm EAGLE3 --speculative-draft-model-path OUT
+
+Either directory also loads back as a selfspec drafter (``--draft eagle:OUT``; :func:`load_drafter` tells the
+formats apart).
+
+**speculators** (vLLM ``speculators``' ``eagle3``). Layout written (what speculators' ``Eagle3Speculator`` and vLLM's ``Eagle3LlamaForCausalLM`` read):
 
 - ``config.json``: ``speculators_model_type: eagle3``, ``architectures: [Eagle3Speculator]``,
   ``transformer_layer_config`` (the base's decoder config with one layer), ``draft_vocab_size``,
@@ -16,6 +21,14 @@ Layout written (what speculators' ``Eagle3Speculator`` and vLLM's ``Eagle3LlamaF
   ``layers.0.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` (``[draft_vocab, hidden]``;
   a drafter sharing the base LM head gets its rows copied in), ``d2t`` (int64: target id minus draft index) and
   ``t2d`` (bool over the target vocabulary). The embedding table is the verifier's and is not written.
+
+**eagle3** (the EAGLE-3 reference checkpoint, as SpecForge trains and SGLang serves it, ``LlamaForCausalLMEagle3``):
+the same tensors with the draft layer under ``midlayer.`` instead of ``layers.0.``, and a Llama config of one layer
+with ``draft_vocab_size``, ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``, which count
+in SGLang's and SpecForge's convention: id ``j`` is the *output* of decoder layer ``j``, ``output_hidden_states[j +
+1]`` (selfspec's ``[2, 15, 27]`` on a 30-layer base is ``[1, 14, 26]`` there, which is also what they capture when
+the ids are absent). The draft layer there is Llama's (no q/k/v bias, no q/k norm), so it takes drafters of Llama
+and Mistral bases, whose layers are the same.
 """
 
 from __future__ import annotations
@@ -103,6 +116,52 @@ def export_speculators(draft: EagleDraftModel, out: str | Path, verifier: str | 
     return out
 
 
+def _read_directory(directory: str | Path, what: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{what} drafter file {path} does not exist")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not JSON: {e}") from None
+    return weights_path, config, load_file(str(weights_path))
+
+
+def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: list[int] | None,
+                      draft_vocab_size: int, depth: int, base_model, weights_path: Path) -> EagleDraftModel:
+    """A selfspec drafter on ``base_model`` from exported tensors whose draft layer sits under ``layer_prefix``."""
+    vocab = torch.arange(state["d2t"].numel()) + state["d2t"].long() if "d2t" in state else None
+    if aux is None:
+        from eagle.model import default_aux_layers
+        aux = list(default_aux_layers(base_model.config.num_hidden_layers))
+    ours = EagleConfig(hidden_size=base_model.config.hidden_size, vocab_size=base_model.config.vocab_size,
+                       draft_vocab_size=int(draft_vocab_size), aux_layers=aux, share_lm_head=False,
+                       base_model=base_model_identity(base_model), decoding={"depth": int(depth)})
+    draft = EagleDraftModel(ours, base_model, vocab)
+    missing = [k for k in ("fc.weight", "norm.weight", "lm_head.weight", f"{layer_prefix}hidden_norm.weight")
+               if k not in state]
+    if missing:
+        raise ValueError(f"{weights_path} lacks {missing}: not an EAGLE-3 drafter's weights")
+    mapped = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
+              "lm_head.weight": state["lm_head.weight"], "draft_vocab": draft.draft_vocab,
+              "hidden_norm.weight": state[f"{layer_prefix}hidden_norm.weight"]}
+    mapped.update({f"layer.{k.removeprefix(layer_prefix)}": v for k, v in state.items()
+                   if k.startswith(layer_prefix) and k != f"{layer_prefix}hidden_norm.weight"})
+    head = base_model.get_output_embeddings().weight
+    try:
+        draft.load_state_dict({k: (v.to(head.dtype) if v.is_floating_point() else v) for k, v in mapped.items()},
+                              strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{weights_path} does not fit this base model as an eagle3 drafter: {e}") from None
+    draft = draft.to(device=head.device, dtype=head.dtype)
+    draft.refresh_shared()
+    return draft.eval().requires_grad_(False)
+
+
 def import_speculators(directory: str | Path, base_model) -> EagleDraftModel:
     """A speculators ``eagle3`` directory as a selfspec drafter on ``base_model`` (weights cast to its dtype).
 
@@ -110,45 +169,152 @@ def import_speculators(directory: str | Path, base_model) -> EagleDraftModel:
         FileNotFoundError: no config.json or model.safetensors.
         ValueError: not an eagle3 directory, more than one draft layer, or shapes that do not fit ``base_model``.
     """
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / WEIGHTS_NAME
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"speculators drafter file {path} does not exist")
-    config = json.loads(config_path.read_text())
+    weights_path, config, state = _read_directory(directory, "speculators")
+    config_path = Path(directory) / "config.json"
     if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
         raise ValueError(f"{config_path}: speculators_model_type {config.get('speculators_model_type')!r} is not "
                          f"{SPECULATORS_MODEL_TYPE!r}")
     layers = config.get("transformer_layer_config", {}).get("num_hidden_layers", 1)
     if layers != 1:
         raise ValueError(f"{config_path}: {layers} draft layers; selfspec's eagle drafter has exactly one")
-    state = load_file(str(weights_path))
-    vocab = torch.arange(state["d2t"].numel()) + state["d2t"].long() if "d2t" in state else None
-    hidden = base_model.config.hidden_size
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    if aux is None:
-        from eagle.model import default_aux_layers
-        aux = list(default_aux_layers(base_model.config.num_hidden_layers))
-    ours = EagleConfig(hidden_size=hidden, vocab_size=base_model.config.vocab_size,
-                       draft_vocab_size=int(config["draft_vocab_size"]), aux_layers=aux, share_lm_head=False,
-                       base_model=base_model_identity(base_model),
-                       decoding={"depth": config.get("speculators_config", {}).get("proposal_methods", [{}])[0]
-                                 .get("speculative_tokens", 4)})
-    draft = EagleDraftModel(ours, base_model, vocab)
-    mapped = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
-              "lm_head.weight": state["lm_head.weight"], "draft_vocab": draft.draft_vocab,
-              "hidden_norm.weight": state["layers.0.hidden_norm.weight"]}
-    mapped.update({k.removeprefix("layers.0."): v for k, v in state.items()
-                   if k.startswith("layers.0.") and k != "layers.0.hidden_norm.weight"})
-    mapped = {(f"layer.{k}" if not k.startswith(("fc.", "norm.", "lm_head.", "hidden_norm.", "draft_vocab")) else k): v
-              for k, v in mapped.items()}
-    dtype = base_model.get_output_embeddings().weight.dtype
+    depth = config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens", 4)
+    return _draft_from_state(state, "layers.0.", config.get("eagle_aux_hidden_state_layer_ids"),
+                             config["draft_vocab_size"], depth, base_model, weights_path)
+
+
+# ------------------------------------------------------------------ the EAGLE-3 reference checkpoint (SGLang)
+
+#: the architecture name SpecForge writes and SGLang serves EAGLE-3 drafters under
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+#: bases whose decoder layer is Llama's (the only draft layer SGLang's EAGLE-3 model has)
+EAGLE3_MODEL_TYPES = ("llama", "mistral")
+
+
+def _rope(config) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` in the older transformers keys SGLang and SpecForge read."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    scaling = params or getattr(config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return theta, scaling
+
+
+def eagle3_config(draft: EagleDraftModel) -> dict:
+    """The ``LlamaForCausalLMEagle3`` config of ``draft`` (see the module docstring)."""
+    base = draft.base_model.config
+    theta, scaling = _rope(base)
+    identity = draft.config.base_model or base_model_identity(draft.base_model)
+    hidden = base.hidden_size
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": base.intermediate_size,
+        "num_attention_heads": base.num_attention_heads,
+        "num_key_value_heads": base.num_key_value_heads,
+        "head_dim": getattr(base, "head_dim", None) or hidden // base.num_attention_heads,
+        "hidden_act": getattr(base, "hidden_act", "silu"),
+        "rms_norm_eps": base.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": base.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_hidden_layers": 1,
+        "vocab_size": base.vocab_size,
+        "draft_vocab_size": draft.config.draft_vocab_size,
+        "target_hidden_size": hidden,
+        "tie_word_embeddings": False,
+        "pad_token_id": getattr(base, "pad_token_id", None),
+        "bos_token_id": getattr(base, "bos_token_id", None),
+        "eos_token_id": getattr(base, "eos_token_id", None),
+        "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in draft.config.aux_layers],
+                         "use_aux_hidden_state": True},
+        "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy,
+                     "decoding": draft.config.decoding or {}},
+    }
+
+
+def check_eagle3_exportable(draft: EagleDraftModel) -> None:
+    """Raises: ValueError: a drafter SGLang's one-Llama-layer EAGLE-3 model cannot hold, naming the way out."""
+    model_type = draft.base_model.config.model_type
+    if model_type not in EAGLE3_MODEL_TYPES:
+        raise ValueError(f"the eagle3 (SGLang / SpecForge) format's draft layer is Llama's and takes drafters of "
+                         f"{', '.join(EAGLE3_MODEL_TYPES)} bases; got {model_type!r} (use --format speculators, "
+                         "which vLLM serves)")
+    if len(draft.config.aux_layers) != 3:
+        raise ValueError(f"the eagle3 format fuses exactly 3 base layers (SGLang's fc takes 3 x hidden); this "
+                         f"drafter fuses {len(draft.config.aux_layers)} ({draft.config.aux_layers}): use --format "
+                         "speculators, or train with 3 aux_layers")
+    if min(draft.config.aux_layers) < 1:
+        raise ValueError(f"the eagle3 format cannot name the embedding output (aux layer 0) it reads: "
+                         f"{draft.config.aux_layers}")
+
+
+def export_eagle3(draft: EagleDraftModel, out: str | Path) -> Path:
+    """Write ``draft`` to ``out`` as an EAGLE-3 reference checkpoint (SGLang, SpecForge), atomically.
+
+    Raises:
+        ValueError: see :func:`check_eagle3_exportable`.
+    """
+    from safetensors.torch import save_file
+
+    check_eagle3_exportable(draft)
+    state = {(f"midlayer.{k.removeprefix('layers.0.')}" if k.startswith("layers.0.") else k): v
+             for k, v in speculators_state(draft).items()}
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        tmp = Path(tmp)
+        (tmp / "config.json").write_text(json.dumps(eagle3_config(draft), indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out
+
+
+def import_eagle3(directory: str | Path, base_model) -> EagleDraftModel:
+    """An EAGLE-3 reference checkpoint (``LlamaForCausalLMEagle3``: SpecForge's output, what SGLang serves) as a
+    selfspec drafter on ``base_model``.
+
+    Raises:
+        FileNotFoundError: no config.json or model.safetensors.
+        ValueError: another architecture, more than one draft layer, or shapes that do not fit ``base_model``.
+    """
+    weights_path, config, state = _read_directory(directory, "eagle3")
+    config_path = Path(directory) / "config.json"
+    if EAGLE3_ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(f"{config_path}: architectures {config.get('architectures')} do not name "
+                         f"{EAGLE3_ARCHITECTURE}")
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{config_path}: {config['num_hidden_layers']} draft layers; selfspec's eagle drafter has "
+                         "exactly one")
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    depth = (config.get("selfspec") or {}).get("decoding", {}).get("depth", 4)
+    draft_vocab = config.get("draft_vocab_size") or config.get("vocab_size")
+    return _draft_from_state(state, "midlayer.", None if ids is None else [i + 1 for i in ids], draft_vocab, depth,
+                             base_model, weights_path)
+
+
+def directory_format(directory: str | Path) -> str:
+    """``selfspec``, ``speculators`` or ``eagle3``: which kind of drafter directory this is (by its config)."""
+    path = Path(directory) / "config.json"
     try:
-        draft.load_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in mapped.items()},
-                              strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{weights_path} does not fit this base model as an eagle3 drafter: {e}") from None
-    draft.refresh_shared()
-    return draft.to(dtype).eval().requires_grad_(False)
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "selfspec"  # from_pretrained names the missing or broken file
+    if config.get("speculators_model_type"):
+        return "speculators"
+    if EAGLE3_ARCHITECTURE in (config.get("architectures") or []):
+        return "eagle3"
+    return "selfspec"
+
+
+def load_drafter(directory: str | Path, base_model) -> EagleDraftModel:
+    """A feature drafter from a selfspec, speculators ``eagle3`` or EAGLE-3 reference (SGLang) directory."""
+    kind = directory_format(directory)
+    if kind == "speculators":
+        return import_speculators(directory, base_model)
+    if kind == "eagle3":
+        return import_eagle3(directory, base_model)
+    from eagle.model import from_pretrained
+    return from_pretrained(directory, base_model)

@@ -4,6 +4,9 @@
 
 ``speculators``: an EAGLE-3 feature drafter as vLLM ``speculators``' ``eagle3`` directory (``eagle.export``), which
 ``vllm serve BASE --speculative-config '{"model": OUT, "method": "eagle3", "num_speculative_tokens": 4}'`` loads.
+``eagle3`` (alias ``sglang``): the same drafter as an EAGLE-3 reference checkpoint (``LlamaForCausalLMEagle3``, what
+SpecForge writes), which ``python -m sglang.launch_server --model BASE --speculative-algorithm EAGLE3
+--speculative-draft-model-path OUT`` loads. ``--heads`` may itself be a speculators or eagle3 directory (conversion).
 ``vllm-medusa``: parallel Medusa heads as the directory vLLM's Medusa drafter loads (``medusa.export``).
 """
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from selfspec.runtime.io import CONFIG_NAME
 
-FORMATS = ("speculators", "vllm-medusa")
+FORMATS = ("speculators", "eagle3", "sglang", "vllm-medusa")  # sglang: the eagle3 format
 
 
 def register(subparsers) -> None:
@@ -36,10 +39,13 @@ def run(args: argparse.Namespace) -> int:
     config_path = heads / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"--heads {heads}: no {CONFIG_NAME}; pass a directory written by a selfspec recipe")
+    from eagle.export import directory_format
+
     config = json.loads(config_path.read_text())
-    is_eagle = config.get("format") == "selfspec-eagle3"
-    if args.format == "speculators" and not is_eagle:
-        raise ValueError(f"--heads {heads} is not an EAGLE-3 feature drafter: the speculators format takes drafters "
+    fmt = "eagle3" if args.format == "sglang" else args.format
+    is_eagle = config.get("format") == "selfspec-eagle3" or directory_format(heads) != "selfspec"
+    if fmt in ("speculators", "eagle3") and not is_eagle:
+        raise ValueError(f"--heads {heads} is not an EAGLE-3 feature drafter: the {fmt} format takes drafters "
                          "trained with `selfspec train eagle` (Medusa heads export with --format vllm-medusa)")
     if args.format == "vllm-medusa" and ("num_heads" not in config or is_eagle):
         raise ValueError(f"--heads {heads} does not hold Medusa heads: --format vllm-medusa takes heads trained with "
@@ -48,12 +54,17 @@ def run(args: argparse.Namespace) -> int:
 
     model, _ = load_model(args.model or "smollm2-135m-instruct")
     if is_eagle:
-        from eagle.export import export_speculators
-        from eagle.model import from_pretrained
+        from eagle.export import check_eagle3_exportable, export_eagle3, export_speculators, load_drafter
         from selfspec.runtime.models import ALIASES
 
         alias = ALIASES.get(args.model or "smollm2-135m-instruct")
-        draft = from_pretrained(heads, model)
+        draft = load_drafter(heads, model)
+        if fmt == "eagle3":
+            check_eagle3_exportable(draft)
+            out = export_eagle3(draft, args.out)
+            print(f"wrote {out} (EAGLE-3 / SGLang {draft.config.draft_vocab_size} draft tokens, aux layer ids "
+                  f"{[i - 1 for i in draft.config.aux_layers]} in SGLang's convention)")
+            return 0
         out = export_speculators(draft, args.out, args.verifier or (alias.hub_id if alias else None))
         print(f"wrote {out} (speculators eagle3: {draft.config.draft_vocab_size} draft tokens, layers "
               f"{draft.config.aux_layers})")

@@ -132,6 +132,8 @@ def test_export_refuses_the_wrong_kind_of_directory(tmp_path, capsys):
     medusa_dir, eagle_dir = _tiny_heads(tmp_path)
     for fmt, heads, message in (("speculators", medusa_dir, "is not an EAGLE-3 feature drafter"),
                                 ("vllm-medusa", eagle_dir, "does not hold Medusa heads"),
+                                ("sglang", medusa_dir, "the eagle3 format takes drafters"),
+                                ("eagle3", eagle_dir, "fuses exactly 3 base layers"),  # the tiny drafter fuses 2
                                 ("speculators", tmp_path / "nowhere", "no config.json")):
         code = main(["export", "--format", fmt, "--heads", str(heads), "--out", str(tmp_path / "out"),
                      "--model", "tiny:llama"])

@@ -242,6 +242,67 @@ def test_speculators_export_has_its_layout_and_imports_back_to_the_same_drafts(l
     assert trees[0] == trees[1]
 
 
+def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_decoding(llama, tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle.export import directory_format, export_eagle3, export_speculators, load_drafter
+
+    draft = eagle_draft(llama, seed=9, draft_vocab_size=40, aux_layers=[1, 2, 4])
+    draft.config.decoding = {"depth": 3}
+    save_pretrained(draft, tmp_path / "own")
+    export_eagle3(draft, tmp_path / "sg")
+    export_speculators(draft, tmp_path / "spec")
+    state = load_file(str(tmp_path / "sg" / "model.safetensors"))
+    c = llama.config
+    expected = {(f"midlayer.{k.removeprefix('layers.0.')}" if k.startswith("layers.0.") else k): v
+                for k, v in speculators_expected_shapes(c, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                                        c.hidden_size // c.num_attention_heads, c.intermediate_size,
+                                                        c.vocab_size, 40, 3).items()}
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    config = json.loads((tmp_path / "sg" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == c.vocab_size
+    # SGLang / SpecForge count layer *outputs*: output_hidden_states[i] is their id i - 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert config["tie_word_embeddings"] is False and config["target_hidden_size"] == c.hidden_size
+    assert [directory_format(tmp_path / d) for d in ("own", "sg", "spec")] == ["selfspec", "eagle3", "speculators"]
+    ids = random_prompt(9, seed=5)
+    aux = aux_states(llama, ids, [1, 2, 4])
+    trees = []
+    for d in ("own", "sg", "spec"):
+        back = load_drafter(tmp_path / d, llama)
+        assert back.config.aux_layers == [1, 2, 4] and back.config.decoding["depth"] == 3
+        with torch.no_grad():
+            for a, b in zip(draft.unroll(aux, ids, torch.ones_like(ids), 3),
+                            back.unroll(aux, ids, torch.ones_like(ids), 3)):
+                torch.testing.assert_close(draft.logits(a), back.logits(b))
+        drafter = make_eagle_drafter(llama, str(tmp_path / d), nodes=6, top_k=2, width=2)  # what --draft eagle:DIR does
+        seen = []
+        original = drafter.propose
+        drafter.propose = lambda state, o=original, s=seen: s.append(o(state)) or s[-1]
+        assert torch.equal(generate(llama, drafter, ids, max_new_tokens=16).sequences, greedy_reference(llama, ids, 16))
+        trees.append([(t.tokens.tolist(), t.parents.tolist()) for t in seen])
+    assert trees[0] == trees[1] == trees[2]
+
+
+def test_eagle3_export_refuses_what_sglangs_llama_layer_cannot_hold(llama, tmp_path):
+    from eagle.export import export_eagle3, import_eagle3
+
+    with pytest.raises(ValueError, match="fuses exactly 3 base layers"):
+        export_eagle3(eagle_draft(llama, aux_layers=[1, 2]), tmp_path / "two")
+    with pytest.raises(ValueError, match="Llama's and takes drafters of llama, mistral bases; got 'qwen2'"):
+        export_eagle3(eagle_draft(tiny_model("qwen2"), aux_layers=[1, 2, 3]), tmp_path / "qwen")
+    assert not (tmp_path / "two").exists() and not (tmp_path / "qwen").exists()
+    export_eagle3(eagle_draft(llama, aux_layers=[1, 2, 3]), tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="do not name LlamaForCausalLMEagle3"):
+        import_eagle3(tmp_path / "ok", llama)
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not fit this base model"):  # a base of another MLP width
+        import_eagle3(tmp_path / "ok", tiny_model("llama", intermediate_size=48))
+
+
 def test_export_command_writes_the_speculators_directory(tmp_path, capsys):
     from selfspec.cli import main as cli
     from selfspec.runtime.models import load_model
