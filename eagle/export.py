@@ -28,7 +28,11 @@ with ``draft_vocab_size``, ``target_hidden_size`` and ``eagle_config.eagle_aux_h
 in SGLang's and SpecForge's convention: id ``j`` is the *output* of decoder layer ``j``, ``output_hidden_states[j +
 1]`` (selfspec's ``[2, 15, 27]`` on a 30-layer base is ``[1, 14, 26]`` there, which is also what they capture when
 the ids are absent). The draft layer there is Llama's (no q/k/v bias, no q/k norm), so it takes drafters of Llama
-and Mistral bases, whose layers are the same.
+and Mistral bases, whose layers are the same. Weights are written in bfloat16 by default (``torch_dtype`` too): a
+float32 config would make SGLang's ``--dtype auto`` run the draft in float16 beside a bfloat16 target.
+
+Both engines capture the residual stream at the input of decoder layers ``1 .. N-1``, in layer order, once each, so
+an exported drafter's aux layers must be strictly increasing within that range (checked).
 """
 
 from __future__ import annotations
@@ -95,12 +99,28 @@ def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> d
     }
 
 
-def export_speculators(draft: EagleDraftModel, out: str | Path, verifier: str | None = None) -> Path:
+def check_captured_layers(draft: EagleDraftModel, fmt: str) -> None:
+    """Raises: ValueError: aux layers an engine cannot capture as the drafter fused them. vLLM and SGLang capture
+    the residual stream at the input of decoder layers ``1 .. N-1`` (``output_hidden_states[1 .. N-1]``), in layer
+    order and once each, and concatenate them in that order for ``fc``."""
+    aux = list(draft.config.aux_layers)
+    total = draft.base_model.config.num_hidden_layers
+    if aux != sorted(set(aux)) or not all(1 <= i <= total - 1 for i in aux):
+        raise ValueError(f"the {fmt} format needs aux layers strictly increasing within 1..{total - 1} (the inputs "
+                         f"of decoder layers the engine captures, in the order it concatenates them); this drafter "
+                         f"fuses {aux}: decode it with selfspec instead (--draft eagle)")
+
+
+def export_speculators(draft: EagleDraftModel, out: str | Path, verifier: str | None = None,
+                       dtype: torch.dtype | None = None) -> Path:
     """Write ``draft`` to ``out`` in speculators' eagle3 format, atomically (``verifier``: see
     :func:`speculators_config`).
 
+    ``dtype``: of the floating-point tensors written (default: as the drafter holds them).
+
     Raises:
-        ValueError: a base architecture vLLM's EAGLE-3 drafter cannot take (its draft layer is Llama's).
+        ValueError: a base architecture vLLM's EAGLE-3 drafter cannot take (its draft layer is Llama's), or aux
+            layers it cannot capture (:func:`check_captured_layers`).
     """
     from safetensors.torch import save_file
 
@@ -108,12 +128,19 @@ def export_speculators(draft: EagleDraftModel, out: str | Path, verifier: str | 
     if model_type not in EXPORTABLE_MODEL_TYPES:
         raise ValueError(f"speculators' eagle3 format takes drafters of {', '.join(EXPORTABLE_MODEL_TYPES)} bases; "
                          f"got {model_type!r} (decode it with selfspec instead: --draft eagle)")
+    check_captured_layers(draft, "speculators")
     out = Path(out)
     with atomic_directory(out) as tmp:
         tmp = Path(tmp)
         (tmp / "config.json").write_text(json.dumps(speculators_config(draft, verifier), indent=2) + "\n")
-        save_file(speculators_state(draft), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(_cast(speculators_state(draft), dtype), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     return out
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    if dtype is None:
+        return state
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
 
 
 def _read_directory(directory: str | Path, what: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
@@ -200,8 +227,13 @@ def _rope(config) -> tuple[float, dict | None]:
     return theta, scaling
 
 
-def eagle3_config(draft: EagleDraftModel) -> dict:
-    """The ``LlamaForCausalLMEagle3`` config of ``draft`` (see the module docstring)."""
+#: what SpecForge trains in and SGLang serves this family of models in; a float32 config would make SGLang's
+#: ``--dtype auto`` run the draft in float16 beside a bfloat16 target
+EAGLE3_DEFAULT_DTYPE = torch.bfloat16
+
+
+def eagle3_config(draft: EagleDraftModel, dtype: torch.dtype = EAGLE3_DEFAULT_DTYPE) -> dict:
+    """The ``LlamaForCausalLMEagle3`` config of ``draft`` (see the module docstring), for weights in ``dtype``."""
     base = draft.base_model.config
     theta, scaling = _rope(base)
     identity = draft.config.base_model or base_model_identity(draft.base_model)
@@ -229,7 +261,7 @@ def eagle3_config(draft: EagleDraftModel) -> dict:
         "pad_token_id": getattr(base, "pad_token_id", None),
         "bos_token_id": getattr(base, "bos_token_id", None),
         "eos_token_id": getattr(base, "eos_token_id", None),
-        "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in draft.config.aux_layers],
                          "use_aux_hidden_state": True},
         "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy,
@@ -244,17 +276,20 @@ def check_eagle3_exportable(draft: EagleDraftModel) -> None:
         raise ValueError(f"the eagle3 (SGLang / SpecForge) format's draft layer is Llama's and takes drafters of "
                          f"{', '.join(EAGLE3_MODEL_TYPES)} bases; got {model_type!r} (use --format speculators, "
                          "which vLLM serves)")
+    base = draft.base_model.config
+    if getattr(base, "attention_bias", False) or getattr(base, "mlp_bias", False):
+        raise ValueError("the eagle3 format's Llama layer has no biases, and SGLang would drop this drafter's "
+                         "attention / MLP biases without a word: use --format speculators")
     if len(draft.config.aux_layers) != 3:
         raise ValueError(f"the eagle3 format fuses exactly 3 base layers (SGLang's fc takes 3 x hidden); this "
                          f"drafter fuses {len(draft.config.aux_layers)} ({draft.config.aux_layers}): use --format "
                          "speculators, or train with 3 aux_layers")
-    if min(draft.config.aux_layers) < 1:
-        raise ValueError(f"the eagle3 format cannot name the embedding output (aux layer 0) it reads: "
-                         f"{draft.config.aux_layers}")
+    check_captured_layers(draft, "eagle3")
 
 
-def export_eagle3(draft: EagleDraftModel, out: str | Path) -> Path:
-    """Write ``draft`` to ``out`` as an EAGLE-3 reference checkpoint (SGLang, SpecForge), atomically.
+def export_eagle3(draft: EagleDraftModel, out: str | Path, dtype: torch.dtype = EAGLE3_DEFAULT_DTYPE) -> Path:
+    """Write ``draft`` to ``out`` as an EAGLE-3 reference checkpoint (SGLang, SpecForge), atomically, its
+    floating-point tensors in ``dtype`` (and so its ``torch_dtype``).
 
     Raises:
         ValueError: see :func:`check_eagle3_exportable`.
@@ -267,8 +302,8 @@ def export_eagle3(draft: EagleDraftModel, out: str | Path) -> Path:
     out = Path(out)
     with atomic_directory(out) as tmp:
         tmp = Path(tmp)
-        (tmp / "config.json").write_text(json.dumps(eagle3_config(draft), indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(eagle3_config(draft, dtype), indent=2) + "\n")
+        save_file(_cast(state, dtype), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     return out
 
 
@@ -288,6 +323,18 @@ def import_eagle3(directory: str | Path, base_model) -> EagleDraftModel:
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{config_path}: {config['num_hidden_layers']} draft layers; selfspec's eagle drafter has "
                          "exactly one")
+    variants = {"fc_norm": (config.get("fc_norm", False), False), "norm_output": (config.get("norm_output", True), True),
+                "norm_before_residual": (config.get("norm_before_residual", False), False),
+                "attention_bias": (config.get("attention_bias", False), False),
+                "mlp_bias": (config.get("mlp_bias", False), False)}
+    other = {k: v for k, (v, plain) in variants.items() if bool(v) != plain}
+    if other:
+        raise ValueError(f"{config_path}: an EAGLE-3 variant selfspec's drafter does not compute ({other}); it "
+                         "imports the plain EAGLE-3 layer only")
+    known = ("fc.", "norm.", "lm_head.", "midlayer.", "d2t", "t2d", "embed_tokens.")
+    extra = sorted(k for k in state if not k.startswith(known))
+    if extra:
+        raise ValueError(f"{weights_path}: tensors {extra[:5]} that the plain EAGLE-3 layer does not have")
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     depth = (config.get("selfspec") or {}).get("decoding", {}).get("depth", 4)
     draft_vocab = config.get("draft_vocab_size") or config.get("vocab_size")

@@ -27,7 +27,11 @@ def register(subparsers) -> None:
     p.add_argument("--format", required=True, choices=FORMATS, help="target format")
     p.add_argument("--heads", required=True, help="the trained drafter's directory")
     p.add_argument("--out", required=True, help="directory to write (replaced atomically if it exists)")
-    p.add_argument("--model", default=None, help="base model (default: the one the drafter was trained on)")
+    p.add_argument("--model", default=None, help="base model the drafter runs on (default: the embedded "
+                   "smollm2-135m-instruct)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the weights written (default: bfloat16 for eagle3, what SGLang serves with; as "
+                        "trained for speculators, which vLLM casts on load)")
     p.add_argument("--verifier", default=None,
                    help="speculators: the target model's hub id or path recorded for vLLM (default: the hub id of a "
                         "model alias, e.g. HuggingFaceTB/SmolLM2-135M-Instruct, else the base model's own name)")
@@ -58,14 +62,17 @@ def run(args: argparse.Namespace) -> int:
         from selfspec.runtime.models import ALIASES
 
         alias = ALIASES.get(args.model or "smollm2-135m-instruct")
+        import torch
+
         draft = load_drafter(heads, model)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
         if fmt == "eagle3":
             check_eagle3_exportable(draft)
-            out = export_eagle3(draft, args.out)
+            out = export_eagle3(draft, args.out, **({"dtype": dtype} if dtype else {}))
             print(f"wrote {out} (EAGLE-3 / SGLang {draft.config.draft_vocab_size} draft tokens, aux layer ids "
                   f"{[i - 1 for i in draft.config.aux_layers]} in SGLang's convention)")
             return 0
-        out = export_speculators(draft, args.out, args.verifier or (alias.hub_id if alias else None))
+        out = export_speculators(draft, args.out, args.verifier or (alias.hub_id if alias else None), dtype)
         print(f"wrote {out} (speculators eagle3: {draft.config.draft_vocab_size} draft tokens, layers "
               f"{draft.config.aux_layers})")
         return 0

@@ -247,11 +247,14 @@ def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_dec
 
     from eagle.export import directory_format, export_eagle3, export_speculators, load_drafter
 
-    draft = eagle_draft(llama, seed=9, draft_vocab_size=40, aux_layers=[1, 2, 4])
+    draft = eagle_draft(llama, seed=9, draft_vocab_size=40, aux_layers=[1, 2, 3])
     draft.config.decoding = {"depth": 3}
     save_pretrained(draft, tmp_path / "own")
-    export_eagle3(draft, tmp_path / "sg")
+    export_eagle3(draft, tmp_path / "sg", dtype=torch.float32)
     export_speculators(draft, tmp_path / "spec")
+    export_eagle3(draft, tmp_path / "bf16")  # the default: what SGLang serves with
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     state = load_file(str(tmp_path / "sg" / "model.safetensors"))
     c = llama.config
     expected = {(f"midlayer.{k.removeprefix('layers.0.')}" if k.startswith("layers.0.") else k): v
@@ -263,15 +266,15 @@ def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_dec
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 40 and config["vocab_size"] == c.vocab_size
     # SGLang / SpecForge count layer *outputs*: output_hidden_states[i] is their id i - 1
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert config["tie_word_embeddings"] is False and config["target_hidden_size"] == c.hidden_size
     assert [directory_format(tmp_path / d) for d in ("own", "sg", "spec")] == ["selfspec", "eagle3", "speculators"]
     ids = random_prompt(9, seed=5)
-    aux = aux_states(llama, ids, [1, 2, 4])
+    aux = aux_states(llama, ids, [1, 2, 3])
     trees = []
     for d in ("own", "sg", "spec"):
         back = load_drafter(tmp_path / d, llama)
-        assert back.config.aux_layers == [1, 2, 4] and back.config.decoding["depth"] == 3
+        assert back.config.aux_layers == [1, 2, 3] and back.config.decoding["depth"] == 3
         with torch.no_grad():
             for a, b in zip(draft.unroll(aux, ids, torch.ones_like(ids), 3),
                             back.unroll(aux, ids, torch.ones_like(ids), 3)):
@@ -286,19 +289,38 @@ def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_dec
 
 
 def test_eagle3_export_refuses_what_sglangs_llama_layer_cannot_hold(llama, tmp_path):
-    from eagle.export import export_eagle3, import_eagle3
+    from eagle.export import export_eagle3, export_speculators, import_eagle3
 
     with pytest.raises(ValueError, match="fuses exactly 3 base layers"):
         export_eagle3(eagle_draft(llama, aux_layers=[1, 2]), tmp_path / "two")
+    # the engines capture inputs of layers 1..N-1, in layer order, once each
+    for aux in ([3, 1, 2], [1, 1, 2], [1, 2, 4]):
+        for export in (export_eagle3, export_speculators):
+            with pytest.raises(ValueError, match=r"strictly increasing within 1\.\.3"):
+                export(eagle_draft(llama, aux_layers=aux), tmp_path / "order")
+    with pytest.raises(ValueError, match="has no biases"):
+        export_eagle3(eagle_draft(tiny_model("llama", attention_bias=True), aux_layers=[1, 2, 3]), tmp_path / "bias")
     with pytest.raises(ValueError, match="Llama's and takes drafters of llama, mistral bases; got 'qwen2'"):
         export_eagle3(eagle_draft(tiny_model("qwen2"), aux_layers=[1, 2, 3]), tmp_path / "qwen")
-    assert not (tmp_path / "two").exists() and not (tmp_path / "qwen").exists()
+    assert not any((tmp_path / d).exists() for d in ("two", "qwen", "order", "bias"))
     export_eagle3(eagle_draft(llama, aux_layers=[1, 2, 3]), tmp_path / "ok")
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     (tmp_path / "ok" / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="do not name LlamaForCausalLMEagle3"):
         import_eagle3(tmp_path / "ok", llama)
+    for variant in ({"fc_norm": True}, {"norm_output": False}, {"norm_before_residual": True}):
+        (tmp_path / "ok" / "config.json").write_text(json.dumps({**config, **variant}))
+        with pytest.raises(ValueError, match="a variant selfspec's drafter does not compute|EAGLE-3 variant"):
+            import_eagle3(tmp_path / "ok", llama)
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "ok" / "model.safetensors"
+    original = load_file(str(weights))
+    save_file({**original, "fc_norm.0.weight": torch.ones(llama.config.hidden_size)}, str(weights))
+    with pytest.raises(ValueError, match=r"tensors \['fc_norm.0.weight'\] that the plain EAGLE-3 layer does not"):
+        import_eagle3(tmp_path / "ok", llama)
+    save_file(original, str(weights))
     with pytest.raises(ValueError, match="does not fit this base model"):  # a base of another MLP width
         import_eagle3(tmp_path / "ok", tiny_model("llama", intermediate_size=48))
 
