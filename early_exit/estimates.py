@@ -78,7 +78,8 @@ def agreement(model, calibration: Calibration, layer_ids: Sequence[int], head) -
 @torch.no_grad()
 def exit_agreement(model, calibration: Calibration, classifiers: dict) -> dict:
     """Top-1 agreement of each exit classifier (``name -> ExitClassifier``) with the full model, from one full
-    forward per sequence: the hidden state after ``layers[:E]`` is the full model's own, as when drafting."""
+    forward per sequence: the hidden state after ``layers[:E]`` is the full model's own, as when drafting, and the
+    classifier ranks what it drafts from (its draft vocabulary, if it has one)."""
     hits = {name: 0 for name in classifiers}
     total = 0
     for ids, start, target in zip(calibration.sequences, calibration.starts, calibration.targets):
@@ -86,7 +87,10 @@ def exit_agreement(model, calibration: Calibration, classifiers: dict) -> dict:
         span = slice(start - 1, ids.shape[1] - 1)
         for name, classifier in classifiers.items():
             # The whole sequence: an attention adapter attends to every earlier position, as it was trained.
-            predicted = classifier(hidden_states[classifier.exit_layer], model)[0, span].argmax(-1)
+            logits, vocab = classifier.draft_logits(hidden_states[classifier.exit_layer], model)
+            predicted = logits[0, span].argmax(-1)  # ranked as drafting ranks: over the draft vocabulary if any
+            if vocab is not None:
+                predicted = vocab[predicted]
             hits[name] += int((predicted == target[span]).sum())
         total += ids.shape[1] - start
     return {name: h / max(total, 1) for name, h in hits.items()}

@@ -270,15 +270,27 @@ class EarlyExitRecipe(T.Recipe):
     # ------------------------------------------------------------ evaluate and save
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Top-1 agreement with the full model on the held-out split: the trained classifier, and the training-free
-        one (base norm + LM head at the same layer) for comparison. layerskip: the exit of the adapted model
-        against the adapted model, and of the plain base (adapter off) against the plain base."""
+        """Top-1 agreement with the full model on the held-out split, ranked as drafting ranks (over the draft
+        vocabulary when the classifier has one: the loss shapes only those rows, and rows outside it drift, so a
+        full-vocabulary argmax would score tokens the draft never proposes): the trained classifier, and the
+        training-free one (base norm + LM head at the same layer, over the same rows) for comparison; with a draft
+        vocabulary also the trained one over every row (``full_vocab_top1_agreement``). layerskip: the exit of the
+        adapted model against the adapted model, and of the plain base (adapter off) against the plain base."""
         unwrapped = self.accelerator.unwrap_model(self.model).eval()
         trained = self.classifier.eval() if self.layerskip else unwrapped
         untrained = new_classifier(self.base, self.cfg.classifier.exit_layer)
         head = self.base.get_output_embeddings()
+        vocab = trained.draft_vocab if trained.draft_vocab.numel() else None
+        weight, bias, column = head.weight, head.bias, None
+        if vocab is not None:  # targets outside the draft vocabulary map to column -1: never a hit
+            weight, bias = head.weight[vocab], None if head.bias is None else head.bias[vocab]
+            column = torch.full((head.weight.shape[0],), -1, dtype=torch.long, device=vocab.device)
+            column[vocab] = torch.arange(vocab.numel(), device=vocab.device)
         hits = {"top1_agreement": 0, "untrained_top1_agreement": 0}
+        if vocab is not None:
+            hits["full_vocab_top1_agreement"] = 0
         total = 0
+        chunk = self.cfg.loss_chunk_size
         for start in range(0, len(self.eval_examples), self.cfg.optim.batch_size):
             batch = collate(self.eval_examples[start:start + self.cfg.optim.batch_size], self.pad_id)
             valid, mask = trained_positions(batch), batch["attention_mask"][:, :-1]
@@ -290,8 +302,11 @@ class EarlyExitRecipe(T.Recipe):
                 exit_hidden, final_hidden = states
                 targets = head(final_hidden[:, :-1][valid]).argmax(-1)
                 features = classifier(exit_hidden[:, :-1], self.base, features_only=True, attention_mask=mask)[valid]
-                hits[name] += int(T.chunked_rank_counts(features, head.weight, targets, 1, self.cfg.loss_chunk_size,
-                                                        head.bias)[0])
+                drafted = targets if column is None else column[targets]
+                hits[name] += int(T.chunked_rank_counts(features, weight, drafted, 1, chunk, bias)[0])
+                if name == "top1_agreement" and vocab is not None:
+                    hits["full_vocab_top1_agreement"] += int(
+                        T.chunked_rank_counts(features, head.weight, targets, 1, chunk, head.bias)[0])
             total += int(valid.sum())
         return {name: h / max(total, 1) for name, h in hits.items()} | {"eval_positions": total}
 

@@ -105,3 +105,28 @@ def test_evaluation_during_training_logs_a_learning_curve_and_leaves_training_un
     evaluated = load_file(str(tmp_path / "curve" / "heads" / "model.safetensors"))
     for name in plain:  # evaluating switched modes and ran the base, but trained nothing and drew no random numbers
         torch.testing.assert_close(evaluated[name], plain[name], rtol=0, atol=0)
+
+
+def test_held_out_agreement_ranks_the_draft_vocabulary_as_drafting_does(tmp_path):
+    """With a draft vocabulary the loss shapes only its rows; the agreement counts what drafting would propose (the
+    best of those rows, mapped back to its id), not a full-vocabulary argmax. Recomputed here independently."""
+    argv = ["--config", str(TINY), *early_exit_overrides(tmp_path, "v", **{"optim.max_steps": 8,
+                                                                        "classifier.draft_vocab_size": 100})]
+    recipe = exit_recipe.EarlyExitRecipe.from_command_line(argv, "test")
+    metrics = recipe.run()
+    classifier, base = recipe.classifier, recipe.base
+    hits = full = total = 0
+    with torch.no_grad():
+        for example in recipe.eval_examples:
+            ids = torch.tensor([example["input_ids"]])
+            hidden = base(ids, output_hidden_states=True).hidden_states
+            keep = torch.tensor(example["loss_mask"][1:], dtype=torch.bool)
+            target = base.get_output_embeddings()(hidden[-1][0, :-1]).argmax(-1)[keep]
+            logits, vocab = classifier.draft_logits(hidden[classifier.exit_layer][:, :-1], base)
+            hits += int((vocab[logits[0].argmax(-1)][keep] == target).sum())
+            full += int((classifier(hidden[classifier.exit_layer][:, :-1], base)[0].argmax(-1)[keep] == target).sum())
+            total += int(keep.sum())
+    assert metrics["eval_positions"] == total
+    assert metrics["top1_agreement"] == pytest.approx(hits / total)
+    assert metrics["full_vocab_top1_agreement"] == pytest.approx(full / total)
+    assert 0 < hits < full  # the tiny base's argmax often falls outside the 100 most frequent data tokens
