@@ -29,6 +29,7 @@ for E in $LAYERS; do
     resume=()
     if compgen -G "$run/checkpoints/*" > /dev/null; then resume=(--resume); fi
     "$PYTHON" train/early_exit.py --config "$CONFIG" "${resume[@]}" classifier.exit_layer="$E" \
+      "hidden_cache_layers=[${LAYERS// /,}]" \
       output_dir="$run" optim.max_minutes="$MINUTES" "$@"
   fi
   methods="$methods,early-exit:$run/heads"
