@@ -143,7 +143,8 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
 
 
-def _read_directory(directory: str | Path, what: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
+def _read_directory(directory: str | Path, what: str) -> tuple[Path, Path, dict, dict[str, torch.Tensor]]:
+    """``(config path, weights path, config, tensors)`` of an exported drafter directory."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -155,7 +156,7 @@ def _read_directory(directory: str | Path, what: str) -> tuple[Path, dict, dict[
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not JSON: {e}") from None
-    return weights_path, config, load_file(str(weights_path))
+    return config_path, weights_path, config, load_file(str(weights_path))
 
 
 def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: list[int] | None,
@@ -180,8 +181,7 @@ def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: li
                    if k.startswith(layer_prefix) and k != f"{layer_prefix}hidden_norm.weight"})
     head = base_model.get_output_embeddings().weight
     try:
-        draft.load_state_dict({k: (v.to(head.dtype) if v.is_floating_point() else v) for k, v in mapped.items()},
-                              strict=True)
+        draft.load_state_dict(_cast(mapped, head.dtype), strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights_path} does not fit this base model as an eagle3 drafter: {e}") from None
     draft = draft.to(device=head.device, dtype=head.dtype)
@@ -196,8 +196,7 @@ def import_speculators(directory: str | Path, base_model) -> EagleDraftModel:
         FileNotFoundError: no config.json or model.safetensors.
         ValueError: not an eagle3 directory, more than one draft layer, or shapes that do not fit ``base_model``.
     """
-    weights_path, config, state = _read_directory(directory, "speculators")
-    config_path = Path(directory) / "config.json"
+    config_path, weights_path, config, state = _read_directory(directory, "speculators")
     if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
         raise ValueError(f"{config_path}: speculators_model_type {config.get('speculators_model_type')!r} is not "
                          f"{SPECULATORS_MODEL_TYPE!r}")
@@ -315,19 +314,16 @@ def import_eagle3(directory: str | Path, base_model) -> EagleDraftModel:
         FileNotFoundError: no config.json or model.safetensors.
         ValueError: another architecture, more than one draft layer, or shapes that do not fit ``base_model``.
     """
-    weights_path, config, state = _read_directory(directory, "eagle3")
-    config_path = Path(directory) / "config.json"
+    config_path, weights_path, config, state = _read_directory(directory, "eagle3")
     if EAGLE3_ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{config_path}: architectures {config.get('architectures')} do not name "
                          f"{EAGLE3_ARCHITECTURE}")
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{config_path}: {config['num_hidden_layers']} draft layers; selfspec's eagle drafter has "
                          "exactly one")
-    variants = {"fc_norm": (config.get("fc_norm", False), False), "norm_output": (config.get("norm_output", True), True),
-                "norm_before_residual": (config.get("norm_before_residual", False), False),
-                "attention_bias": (config.get("attention_bias", False), False),
-                "mlp_bias": (config.get("mlp_bias", False), False)}
-    other = {k: v for k, (v, plain) in variants.items() if bool(v) != plain}
+    plain = {"fc_norm": False, "norm_output": True, "norm_before_residual": False, "attention_bias": False,
+             "mlp_bias": False}  # SpecForge's switches, as the plain EAGLE-3 layer has them
+    other = {k: config[k] for k, value in plain.items() if k in config and bool(config[k]) != value}
     if other:
         raise ValueError(f"{config_path}: an EAGLE-3 variant selfspec's drafter does not compute ({other}); it "
                          "imports the plain EAGLE-3 layer only")
@@ -349,6 +345,11 @@ def directory_format(directory: str | Path) -> str:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return "selfspec"  # from_pretrained names the missing or broken file
+    return config_format(config)
+
+
+def config_format(config: dict) -> str:
+    """:func:`directory_format` of an already-read ``config.json``."""
     if config.get("speculators_model_type"):
         return "speculators"
     if EAGLE3_ARCHITECTURE in (config.get("architectures") or []):

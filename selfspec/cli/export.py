@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     config_path = heads / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"--heads {heads}: no {CONFIG_NAME}; pass a directory written by a selfspec recipe")
-    from eagle.export import directory_format
+    from eagle.export import config_format
 
     config = json.loads(config_path.read_text())
     fmt = "eagle3" if args.format == "sglang" else args.format
-    is_eagle = config.get("format") == "selfspec-eagle3" or directory_format(heads) != "selfspec"
+    is_eagle = config.get("format") == "selfspec-eagle3" or config_format(config) != "selfspec"
     if fmt in ("speculators", "eagle3") and not is_eagle:
         raise ValueError(f"--heads {heads} is not an EAGLE-3 feature drafter: the {fmt} format takes drafters "
                          "trained with `selfspec train eagle` (Medusa heads export with --format vllm-medusa)")
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, _ = load_model(args.model or "smollm2-135m-instruct")
     if is_eagle:
-        from eagle.export import check_eagle3_exportable, export_eagle3, export_speculators, load_drafter
+        from eagle.export import export_eagle3, export_speculators, load_drafter
         from selfspec.runtime.models import ALIASES
 
         alias = ALIASES.get(args.model or "smollm2-135m-instruct")
@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
         draft = load_drafter(heads, model)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         if fmt == "eagle3":
-            check_eagle3_exportable(draft)
             out = export_eagle3(draft, args.out, **({"dtype": dtype} if dtype else {}))
             print(f"wrote {out} (EAGLE-3 / SGLang {draft.config.draft_vocab_size} draft tokens, aux layer ids "
                   f"{[i - 1 for i in draft.config.aux_layers]} in SGLang's convention)")
