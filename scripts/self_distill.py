@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new shard after this many minutes (the run so far is kept; rerun to resume)")
     parser.add_argument("--arrow", action="store_true", help="also save_to_disk the whole set under <out>/arrow")
     args = parser.parse_args(argv)
     if args.prompts == "self" and args.num_prompts is None:
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tqdm(total=len(prompts), desc="self-distilling", unit="prompt") as bar:
         D.distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                  temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, progress=bar.update)
+                  temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, progress=bar.update,
+                  max_minutes=args.max_minutes)
     records = D.load_records(str(out))
     print(f"{len(records)} conversations in {out} ({time.time() - started:.0f}s this run)")
     if args.arrow:

@@ -215,7 +215,8 @@ def parse_recipe_args(argv: list[str] | None, description: str) -> argparse.Name
 class DataConfig:
     """Where the training conversations come from and how they are tokenized (shared by every recipe)."""
 
-    source: str | None = None  # hub id or local json/jsonl/parquet/arrow file or dir; None: self-distilled data
+    source: str | list[str] | None = None  # hub id or local json/jsonl/parquet/arrow file or dir, or a list of them
+    # (concatenated); None: self-distilled data
     format: str = "auto"  # auto | sharegpt | alpaca | prompt_response | text
     split: str = "train"  # split of a hub dataset
     max_length: int = 512  # tokens per example after the chat template (longer ones are truncated)

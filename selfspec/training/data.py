@@ -6,6 +6,7 @@ format, apply the chat template with a loss mask on assistant tokens, and make d
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -59,15 +60,26 @@ def _check_json_lines(path: Path) -> None:
                                  f"{type(record).__name__}; each line must be one record")
 
 
-def load_records(source: str, split: str = "train"):
-    """A ``datasets.Dataset`` from a local file / directory / saved dataset, or a hub id.
+def load_records(source: str | list[str], split: str = "train"):
+    """A ``datasets.Dataset`` from a local file / directory / saved dataset, or a hub id; a list of sources is
+    their concatenation, in order (``data.source=[runs/distill-v1,runs/distill-broad]``).
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
-        ValueError: the hub id cannot be loaded (no network or no such dataset), or the dataset is empty.
+        ValueError: the hub id cannot be loaded (no network or no such dataset), the dataset is empty, or listed
+            sources whose columns differ.
     """
     import datasets
 
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ValueError("data source: an empty list; name at least one dataset")
+        parts = [load_records(str(s), split) for s in source]
+        for s, part in zip(source[1:], parts[1:]):
+            if sorted(part.column_names) != sorted(parts[0].column_names):
+                raise ValueError(f"data sources {source[0]!r} and {s!r} have different columns "
+                                 f"({parts[0].column_names} vs {part.column_names}); list only datasets of one format")
+        return datasets.concatenate_datasets([p.select_columns(parts[0].column_names) for p in parts])
     path = Path(source).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
         records = datasets.load_from_disk(str(path))
@@ -363,10 +375,12 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
 
 def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_new_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, shard_size: int = 64, seed: int = 0,
-            progress=None) -> Path:
+            progress=None, max_minutes: float | None = None) -> Path:
     """The base model answers ``prompts`` (``[{"id", "prompt"}]``); ShareGPT records are appended to
     ``out_dir/shard-NNNNN.jsonl`` (each written atomically), and ids already in a shard are skipped, so a killed
-    run resumes where it stopped. Returns ``out_dir`` (loadable with ``load_records``)."""
+    run resumes where it stopped. With ``max_minutes``, no shard is started once that much time has passed (the
+    shard in progress is finished and written; rerun to go on). Returns ``out_dir`` (loadable with
+    ``load_records``)."""
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +391,10 @@ def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_n
         progress(len(prompts) - len(todo))
     encoded = [_template_ids(tokenizer, [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
                for p in todo]
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     for index, start in enumerate(range(0, len(todo), shard_size), start=len(shards)):
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         part = todo[start:start + shard_size]
         responses = generate_batched(model, tokenizer, encoded[start:start + shard_size], batch_size=batch_size,
                                      max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start,

@@ -3,9 +3,10 @@
 A frozen backbone gives the same hidden states every epoch, and to every recipe trained on the same data: Medusa
 heads read the last one, an exit classifier its exit layer (and the last one as its teacher). On a CPU the pass
 that computes them costs as much as a training run (a 135M model prefills ~500 tokens/s on 2 cores), so it runs
-once per (model, examples, layer) and is stored as ``hidden-<model fingerprint>-<examples digest>-<layer>``
-safetensors files, written atomically. Point several recipes at one directory (``hidden_cache_dir``) and they
-share the pass; a layer below the last one runs only the layers it needs.
+once per (model, example, layer) and is stored keyed by each example's token ids, in safetensors files written
+atomically as the pass goes (``cached_hidden_states``). Point several recipes at one directory (``hidden_cache_dir``)
+and they share the pass, also on data that only partly overlaps; a layer below the last one runs only the layers it
+needs.
 
 Layers use transformers' ``output_hidden_states`` indexing: ``0`` the embeddings, ``i`` the output of decoder layer
 ``i - 1``, ``-1`` the last hidden state (after the final norm: what the LM head reads).
@@ -78,49 +79,117 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return {layer: captured[layer] for layer in layers}
 
 
+def example_key(example: dict) -> str:
+    """The identity of one example in a cache: a digest of its token ids (the states depend on nothing else)."""
+    return hashlib.sha256(json.dumps(example["input_ids"]).encode()).hexdigest()[:20]
+
+
+def _layer_tag(layer: int) -> str:
+    return "last" if layer == -1 else f"L{layer}"
+
+
+def _stored_keys(directory: Path, fingerprint: str, layer: int) -> dict[str, Path]:
+    """``{example key: file}`` for every example whose states of ``layer`` are stored under ``directory``."""
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for path in sorted(directory.glob(f"states-{fingerprint}-{_layer_tag(layer)}-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), path))
+    return out
+
+
+def _convert_legacy(directory: Path, fingerprint: str, examples: Sequence[dict], keys: list[str]) -> None:
+    """Files of the first cache format (``hidden-<fingerprint>-<examples digest>-<layer>``, one per training set,
+    keyed by position) for exactly these examples are rewritten keyed by example, so that other data mixes that
+    share examples with them reuse their states."""
+    from safetensors.torch import load_file, save
+
+    digest = examples_digest(examples)
+    for path in directory.glob(f"hidden-{fingerprint}-{digest}-*.safetensors"):
+        tag = path.stem.rsplit("-", 1)[1]
+        stored = load_file(str(path))
+        if len(stored) != len(examples):
+            continue
+        rekeyed = {keys[int(i)]: t for i, t in stored.items()}
+        atomic_write_bytes(directory / f"states-{fingerprint}-{tag}-{digest}.safetensors", save(rekeyed))
+        path.unlink()
+
+
 def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int], directory: str | Path, *,
                          pad_id: int = 0, batch_size: int = 8, accelerator: Any = None,
                          progress: Callable[[Any], Any] | None = None,
-                         also: Sequence[int] = ()) -> dict[int, list[torch.Tensor]]:
-    """``{layer: [one [len, hidden] tensor per example]}``, computed (by the main process) for the layers not yet
-    stored under ``directory``, then read back by every process.
+                         also: Sequence[int] = (), chunk_examples: int = 512) -> dict[int, list[torch.Tensor]]:
+    """``{layer: [one [len, hidden] tensor per example]}``: the base's states of ``layers``, computed (by the main
+    process) only for the examples whose states are not yet stored under ``directory``, then read back by every
+    process.
+
+    States are stored per example, keyed by a digest of its token ids (``example_key``), in
+    ``states-<model fingerprint>-<layer>-<chunk digest>.safetensors`` files of up to ``chunk_examples`` examples,
+    each written atomically as soon as it is complete. So a run on more data (another corpus added, a larger
+    ``num_samples``) computes only what is new, and a pass killed part way resumes after its last chunk.
 
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
     ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
     on other layers of the same data (an exit-layer sweep) then skip the pass.
     """
-    from safetensors.torch import load_file, save
+    from safetensors import safe_open
+    from safetensors.torch import save
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     fingerprint = base_model_identity(model).get("fingerprint", "model")
-    digest = examples_digest(examples)
-    paths = {layer: directory / f"hidden-{fingerprint}-{digest}-{'last' if layer == -1 else f'L{layer}'}.safetensors"
-             for layer in dict.fromkeys([*layers, *also])}
-    missing = [layer for layer in layers if not paths[layer].is_file()]
-    if missing:
-        missing += [layer for layer in paths if layer not in missing and not paths[layer].is_file()]
+    keys = [example_key(e) for e in examples]
     main = accelerator is None or accelerator.is_main_process
-    if missing and main:
-        states: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in missing}
-        # Batches of similar lengths: padding to the longest of a random batch would double the work.
-        by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
-        starts = range(0, len(examples), batch_size)
-        for start in (progress(starts) if progress is not None else starts):
-            chunk = by_length[start:start + batch_size]
-            batch = collate([examples[i] for i in chunk], pad_id)
-            out = hidden_states(model, batch["input_ids"], batch["attention_mask"], missing)
-            for layer in missing:
-                for row, i in enumerate(chunk):
-                    states[layer][str(i)] = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
-        for layer in missing:
-            atomic_write_bytes(paths[layer], save(states.pop(layer)))
+    everything = list(dict.fromkeys([*layers, *also]))
+    if main:
+        _convert_legacy(directory, fingerprint, examples, keys)
+        stored = {layer: _stored_keys(directory, fingerprint, layer) for layer in everything}
+        todo = list({k: i for i, k in reversed(list(enumerate(keys)))
+                     if any(k not in stored[layer] for layer in layers)}.values())
+        if todo:
+            missing = [layer for layer in everything if any(keys[i] not in stored[layer] for i in todo)]
+            # Batches of similar lengths: padding to the longest of a random batch would double the work.
+            todo.sort(key=lambda i: len(examples[i]["input_ids"]))
+            states: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in missing}
+
+            def flush():
+                chunk = hashlib.sha256("".join(sorted(states[missing[0]])).encode()).hexdigest()[:16]
+                for layer in missing:
+                    fresh = {k: t for k, t in states[layer].items() if k not in stored[layer]}
+                    if fresh:
+                        atomic_write_bytes(directory / f"states-{fingerprint}-{_layer_tag(layer)}-{chunk}.safetensors",
+                                           save(fresh))
+                    states[layer].clear()
+
+            starts = range(0, len(todo), batch_size)
+            for start in (progress(starts) if progress is not None else starts):
+                chunk = todo[start:start + batch_size]
+                batch = collate([examples[i] for i in chunk], pad_id)
+                out = hidden_states(model, batch["input_ids"], batch["attention_mask"], missing)
+                for layer in missing:
+                    for row, i in enumerate(chunk):
+                        states[layer][keys[i]] = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
+                if len(states[missing[0]]) >= chunk_examples:
+                    flush()
+            if states[missing[0]]:
+                flush()
     if accelerator is not None:
         accelerator.wait_for_everyone()
     result = {}
     for layer in layers:
-        stored = load_file(str(paths[layer]))
-        if len(stored) != len(examples):
-            raise ValueError(f"{paths[layer]} holds {len(stored)} examples, expected {len(examples)}: delete it")
-        result[layer] = [stored[str(i)] for i in range(len(examples))]
+        where = _stored_keys(directory, fingerprint, layer)
+        absent = [k for k in keys if k not in where]
+        if absent:
+            raise ValueError(f"hidden-state cache {directory}: {len(absent)} example(s) missing for layer {layer} "
+                             "after the pass that computes them; delete the directory's states-* files and rerun")
+        by_file: dict[Path, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_file.setdefault(where[k], []).append(i)
+        tensors: list[torch.Tensor | None] = [None] * len(keys)
+        for path, indices in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for i in indices:
+                    tensors[i] = f.get_tensor(keys[i])
+        result[layer] = tensors
     return result

@@ -128,6 +128,12 @@ def test_the_command_builds_a_datastore_from_conversations(tmp_path, capsys):
     assert main(["generate", "--model", "tiny:llama", "--prompt", "Question 1: what is 1 plus 1?", "--json",
                  "--draft", f"lookup+datastore:{tmp_path / 'ds'}", "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
+    # several datasets are indexed together
+    more = write_prompt_response_data(tmp_path / "more.jsonl", n=3)
+    assert main(["datastore", "--data", str(data), str(more), "--out", str(tmp_path / "both"), "--model",
+                 "tiny:llama", "--context", "8"]) == 0
+    both = Datastore.load(tmp_path / "both")
+    assert both.meta["num_documents"] == 8 and str(more) in (tmp_path / "both" / "README.md").read_text()
     assert main(["datastore", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x"),
                  "--model", "tiny:llama"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -172,6 +172,35 @@ def test_distill_resumes_without_redoing_or_duplicating(tmp_path):
     assert len(examples) == 5
 
 
+def test_distill_time_budget_finishes_the_shard_in_progress_and_a_rerun_completes_it(tmp_path, monkeypatch):
+    model, tokenizer = load_model("tiny:llama")
+    prompts = [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(5)]
+    D.distill(model, tokenizer, prompts, tmp_path / "whole", max_new_tokens=4, shard_size=2)
+    clock = iter([0.0, 0.0, 1e9])  # the deadline is set, shard 0 starts in time, shard 1 would start too late
+    monkeypatch.setattr(D.time, "monotonic", lambda: next(clock))
+    D.distill(model, tokenizer, prompts, tmp_path / "budget", max_new_tokens=4, shard_size=2, max_minutes=1.0)
+    assert [p.name for p in sorted((tmp_path / "budget").glob("shard-*"))] == ["shard-00000.jsonl"]
+    monkeypatch.undo()
+    D.distill(model, tokenizer, prompts, tmp_path / "budget", max_new_tokens=4, shard_size=2)
+    whole, resumed = (D.load_records(str(tmp_path / d)) for d in ("whole", "budget"))
+    assert sorted(zip(whole["id"], map(str, whole["conversations"]))) == sorted(
+        zip(resumed["id"], map(str, resumed["conversations"])))
+
+
+def test_a_list_of_sources_is_their_concatenation(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", [FORMAT_ROWS["sharegpt"]] * 2)
+    (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "b" / "shard-00000.jsonl", [FORMAT_ROWS["sharegpt"]] * 3)
+    assert len(D.load_records([str(a), str(tmp_path / "b")])) == 5
+    alpaca = write_jsonl(tmp_path / "c.jsonl", [FORMAT_ROWS["alpaca"]])
+    with pytest.raises(ValueError, match="different columns"):
+        D.load_records([str(a), str(alpaca)])
+    with pytest.raises(ValueError, match="empty list"):
+        D.load_records([])
+    with pytest.raises(FileNotFoundError):
+        D.load_records([str(a), "./missing.jsonl"])
+
+
 @pytest.mark.real_model
 def test_smollm2_template_masks_the_reply_not_its_default_system_prompt(tmp_path):
     from transformers import AutoTokenizer

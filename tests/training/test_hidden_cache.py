@@ -1,5 +1,6 @@
 """selfspec.training.hidden: the hidden states a recipe caches are the base model's own (every layer, with the
-partial forward stopping early), are computed once per model, data and layer, and are shared between recipes."""
+partial forward stopping early), are computed once per model, example and layer, are shared between recipes and
+data mixes, and a killed pass resumes."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_cached_once_per_layer_and_shared(tmp_path, monkeypatch):
     torch.testing.assert_close(first[2][3], expected[2][0], rtol=1e-6, atol=1e-6)
     # Other data: other files.
     T.cached_hidden_states(model, _examples(5, seed=1), [-1], tmp_path)
-    assert len(list(tmp_path.glob("hidden-*"))) == 4
+    assert len(list(tmp_path.glob("states-*"))) == 4
 
 
 def test_more_layers_are_stored_in_the_same_pass_for_later_recipes(tmp_path, monkeypatch):
@@ -85,3 +86,67 @@ def test_more_layers_are_stored_in_the_same_pass_for_later_recipes(tmp_path, mon
             for layer in (1, 3):
                 torch.testing.assert_close(later[layer][i], expected[layer][0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(first[2][i], expected[2][0], rtol=1e-5, atol=1e-5)
+
+
+def _direct(model, example, layer):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([example["input_ids"]]), output_hidden_states=True).hidden_states
+    return out[layer][0]
+
+
+def _counting(monkeypatch, fail_after=None):
+    rows = []
+    real = T.hidden.hidden_states
+
+    def counted(*a, **k):
+        if fail_after is not None and len(rows) >= fail_after:
+            raise KeyboardInterrupt  # as if the pass were killed here
+        rows.append(a[1].shape[0])
+        return real(*a, **k)
+    monkeypatch.setattr(T.hidden, "hidden_states", counted)
+    return rows
+
+
+def test_a_data_mix_that_shares_examples_computes_only_the_new_ones(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    old, new = _examples(6, seed=3), _examples(4, seed=4)
+    T.cached_hidden_states(model, old, [2, -1], tmp_path, batch_size=4)
+    rows = _counting(monkeypatch)
+    mix = [new[0], old[4], new[1], old[0], new[2], new[3], old[1]]
+    states = T.cached_hidden_states(model, mix, [2, -1], tmp_path, batch_size=4)
+    assert sum(rows) == 4  # only the new examples ran through the model
+    for i, e in enumerate(mix):
+        torch.testing.assert_close(states[2][i], _direct(model, e, 2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[-1][i], _direct(model, e, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_killed_pass_resumes_after_its_last_written_chunk(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    examples = _examples(9, seed=5)
+    rows = _counting(monkeypatch, fail_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        T.cached_hidden_states(model, examples, [-1], tmp_path, batch_size=2, chunk_examples=4)
+    assert sum(rows) == 6 and len(list(tmp_path.glob("states-*"))) == 1  # one chunk of 4 was written
+    monkeypatch.undo()
+    rows = _counting(monkeypatch)
+    states = T.cached_hidden_states(model, examples, [-1], tmp_path, batch_size=2, chunk_examples=4)
+    assert sum(rows) == 5
+    for i, e in enumerate(examples):
+        torch.testing.assert_close(states[-1][i], _direct(model, e, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_of_the_first_format_is_converted_and_reused(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    examples = _examples(4, seed=6)
+    fingerprint = T.hidden.base_model_identity(model)["fingerprint"]
+    legacy = {str(i): _direct(model, e, -1).contiguous() for i, e in enumerate(examples)}
+    save_file(legacy, str(tmp_path / f"hidden-{fingerprint}-{T.examples_digest(examples)}-last.safetensors"))
+    rows = _counting(monkeypatch)
+    states = T.cached_hidden_states(model, examples, [-1], tmp_path)
+    assert sum(rows) == 0 and not list(tmp_path.glob("hidden-*"))
+    assert all(torch.equal(states[-1][i], legacy[str(i)]) for i in range(4))
+    # Keyed by example now: another order, or a subset, is read back too.
+    states = T.cached_hidden_states(model, examples[3:] + examples[:2], [-1], tmp_path)
+    assert sum(rows) == 0 and torch.equal(states[-1][0], legacy["3"])
