@@ -91,6 +91,9 @@ class EarlyExitRecipeConfig:
     hidden_cache_layers: list[int] = dataclasses.field(default_factory=list)  # more layers stored in the same pass (an exit-layer sweep)
     loss_vocab: str = "auto"  # full | draft (KL over the draft vocabulary only: cheaper) | auto (draft if it is set)
     method: str = "distill"  # distill: frozen base, train the classifier | layerskip: LoRA backbone, early-exit loss
+    # A saved classifier to start from (method distill): its exit layer, adapter and draft vocabulary are kept, so
+    # ``classifier.*`` must agree on the exit layer; e.g. to go on training the committed one on more data.
+    init_from: str | None = None
     classifier: ClassifierConfig = dataclasses.field(default_factory=ClassifierConfig)  # what is trained
     draft: DraftDefaults = dataclasses.field(default_factory=DraftDefaults)  # draft policy saved with it
     layerskip: EarlyExitLossConfig = dataclasses.field(default_factory=EarlyExitLossConfig)  # method: layerskip
@@ -107,6 +110,9 @@ class EarlyExitRecipeConfig:
             raise ValueError(f"loss_vocab must be auto, full or draft, got {self.loss_vocab!r}")
         if self.loss_vocab == "draft" and c.draft_vocab_size is None:
             raise ValueError("loss_vocab: draft needs classifier.draft_vocab_size")
+        if self.init_from is not None and self.method != "distill":
+            raise ValueError("init_from starts a distilled classifier from a saved one; method layerskip trains the "
+                             "backbone instead: remove init_from")
         if self.method == "layerskip":
             if c.adapter_layers or c.own_norm:
                 raise ValueError("method layerskip trains only the backbone's LoRA for the base final norm + LM head "
@@ -149,10 +155,20 @@ class EarlyExitRecipe(T.Recipe):
         self.setup_data()
         self.base_identity = base_model_identity(self.base)  # before any adapter: what the classifier records
         vocab = self.base.get_output_embeddings().weight.shape[0]
-        draft_vocab = None if c.draft_vocab_size is None else frequent_tokens(self.train_examples, c.draft_vocab_size, vocab)
-        self.classifier = new_classifier(self.base, c.exit_layer, adapter_layers=c.adapter_layers, adapter=c.adapter,
-                                         adapter_heads=c.adapter_heads, adapter_mlp_size=c.adapter_mlp_size,
-                                         own_norm=c.own_norm, draft_vocab=draft_vocab)
+        if cfg.init_from is not None:
+            self.classifier = ExitClassifier.from_pretrained(cfg.init_from, self.base).float().train()
+            if self.classifier.exit_layer != c.exit_layer:
+                raise ValueError(f"init_from {cfg.init_from} exits at layer {self.classifier.exit_layer}, but "
+                                 f"classifier.exit_layer is {c.exit_layer}: set classifier.exit_layer="
+                                 f"{self.classifier.exit_layer}")
+            draft_vocab = self.classifier.draft_vocab if self.classifier.draft_vocab.numel() else None
+        else:
+            draft_vocab = None if c.draft_vocab_size is None else frequent_tokens(self.train_examples,
+                                                                                 c.draft_vocab_size, vocab)
+            self.classifier = new_classifier(self.base, c.exit_layer, adapter_layers=c.adapter_layers,
+                                             adapter=c.adapter, adapter_heads=c.adapter_heads,
+                                             adapter_mlp_size=c.adapter_mlp_size, own_norm=c.own_norm,
+                                             draft_vocab=draft_vocab)
         self.classifier.config.policy = dataclasses.asdict(cfg.draft)
         if self.layerskip:
             ls = cfg.layerskip

@@ -223,6 +223,9 @@ class DataConfig:
     assistant_only: bool = True  # loss on assistant tokens only (False: every token)
     num_samples: int | None = None  # use at most this many examples (None: all)
     eval_samples: int = 16  # examples held out for the per-head accuracy
+    # Held-out examples from another dataset instead (its first eval_samples, 0: all; all of source trains):
+    # e.g. the model's own answers to the prompts you tune on, to measure what a drafter learns for them.
+    eval_source: str | list[str] | None = None
     distill: bool = False  # with a source: re-answer its prompts with the base model (self-distillation)
     prompts: str = "builtin"  # without a source: builtin | self (sampled from the model) | path to a prompts dataset
     num_prompts: int = 64  # prompts to self-generate (prompts=self) or to take at most

@@ -76,6 +76,11 @@ def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, a
                                   max_length=data.max_length, assistant_only=data.assistant_only,
                                   num_samples=data.num_samples)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    if data.eval_source is not None:
+        held_out = D.tokenize_records(D.load_records(data.eval_source, data.split), tokenizer, fmt=data.format,
+                                      max_length=data.max_length, assistant_only=data.assistant_only,
+                                      num_samples=data.eval_samples or None)
+        return [examples[i] for i in order], held_out
     n_eval = min(data.eval_samples, len(examples) // 2)
     if len(examples) - n_eval < 1:
         raise ValueError(f"only {len(examples)} usable example(s): too few to train on")

@@ -212,3 +212,20 @@ def test_smollm2_template_masks_the_reply_not_its_default_system_prompt(tmp_path
     assert "You are a helpful AI assistant" in tokenizer.decode(example["input_ids"])  # the template's default
     assert masked_text(tokenizer, example) == "hello!<|im_end|>\n"
     assert D.user_turn_prefix(tokenizer)[0].endswith("<|im_start|>user\n")
+
+
+def test_eval_source_holds_out_another_dataset_and_trains_on_all_of_source(tmp_path):
+    from selfspec.training.config import DataConfig
+    from selfspec.training.session import prepare_examples
+
+    model, tokenizer = load_model("tiny:llama")
+    train_rows = [{"prompt": f"q{i}", "response": f"answer {i}"} for i in range(6)]
+    eval_rows = [{"prompt": f"other {i}", "response": f"reply {i}"} for i in range(5)]
+    source, other = write_jsonl(tmp_path / "t.jsonl", train_rows), write_jsonl(tmp_path / "e.jsonl", eval_rows)
+    train, held = prepare_examples(DataConfig(source=str(source), eval_samples=3), model, tokenizer, tmp_path, None)
+    assert (len(train), len(held)) == (3, 3)
+    train, held = prepare_examples(DataConfig(source=str(source), eval_source=str(other), eval_samples=3), model,
+                                   tokenizer, tmp_path, None)
+    decode = tokenizer.decode
+    assert len(train) == 6 and len(held) == 3
+    assert all("other" in decode(e["input_ids"]) for e in held) and not any("other" in decode(e["input_ids"]) for e in train)

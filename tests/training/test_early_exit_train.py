@@ -130,3 +130,25 @@ def test_held_out_agreement_ranks_the_draft_vocabulary_as_drafting_does(tmp_path
     assert metrics["top1_agreement"] == pytest.approx(hits / total)
     assert metrics["full_vocab_top1_agreement"] == pytest.approx(full / total)
     assert 0 < hits < full  # the tiny base's argmax often falls outside the 100 most frequent data tokens
+
+
+def test_init_from_starts_where_a_saved_classifier_stopped(tmp_path):
+    """A run started from saved heads begins with exactly their predictions (and their draft vocabulary), and
+    goes on learning from there."""
+    first = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
+        tmp_path, "first", **{"optim.max_steps": 8, "classifier.draft_vocab_size": 40})])
+    saved = tmp_path / "first" / "heads"
+    zero = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
+        tmp_path, "zero", **{"optim.max_steps": 1, "optim.lr": 0.0, "init_from": str(saved)})])
+    assert zero["top1_agreement"] == first["top1_agreement"]
+    before, after = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "zero" / "heads"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    more = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
+        tmp_path, "more", **{"optim.max_steps": 8, "init_from": str(saved)})])
+    assert more["history"][0]["loss"] < first["history"][0]["loss"]  # starts trained, not from scratch
+    with pytest.raises(ValueError, match="set classifier.exit_layer=2"):
+        exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
+            tmp_path, "bad", **{"optim.max_steps": 1, "init_from": str(saved), "classifier.exit_layer": 1})])
+    with pytest.raises(ValueError, match="remove init_from"):
+        T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, [f"init_from={saved}", "method=layerskip",
+                                                                "classifier.adapter_layers=0"])
