@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
-from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, save_pretrained
+from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, from_pretrained, save_pretrained
 from selfspec import training as T
 from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.layers import num_decoder_layers
@@ -63,6 +63,9 @@ class EagleRecipeConfig:
     cache_hidden_states: bool = False  # run the base once over all data and keep its states on disk (else per batch)
     hidden_cache_dir: str | None = None  # where cached states go (None: <output_dir>/data)
     teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
+    # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (draft.* is then not
+    # used); e.g. to go on training a drafter on more data.
+    init_from: str | None = None
     draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
     decoding: DecodingDefaults = dataclasses.field(default_factory=DecodingDefaults)
     data: T.DataConfig = dataclasses.field(default_factory=T.DataConfig)
@@ -113,9 +116,16 @@ class EagleRecipe(T.Recipe):
                              decoding=dataclasses.asdict(cfg.decoding))
         torch.manual_seed(cfg.seed)
         draft_vocab = None
-        if config.draft_vocab_size < vocab:
+        if cfg.init_from is not None:
+            saved = from_pretrained(cfg.init_from, self.base, dtype=torch.float32)
+            config = dataclasses.replace(saved.config, decoding=config.decoding)
+            aux = list(config.aux_layers)
+            draft_vocab = saved.draft_vocab if config.draft_vocab_size < vocab else None
+        elif config.draft_vocab_size < vocab:
             draft_vocab = frequent_tokens(self.train_examples, config.draft_vocab_size, vocab).sort().values
         draft = EagleDraftModel(config, self.base, draft_vocab).float()
+        if cfg.init_from is not None:
+            draft.load_state_dict(saved.state_dict())
         draft.refresh_shared()
         self.to_draft = torch.full((vocab,), -1, dtype=torch.long)
         self.to_draft[draft.draft_vocab] = torch.arange(config.draft_vocab_size)

@@ -138,3 +138,26 @@ def test_resume_refuses_a_changed_recipe_naming_the_keys_and_says_when_there_is_
     assert "resumed from" in capsys.readouterr().out
     eagle_recipe.main([*base, "--resume", f"output_dir={tmp_path / 'empty'}"])
     assert "nothing to resume, starting from step 0" in capsys.readouterr().out
+
+
+def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
+    """Started from a saved drafter (another data mix, different frequent tokens), a run keeps its layers, draft
+    vocabulary and weights: with lr 0 it saves the same drafter, and training goes on from its loss."""
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    first = build(args(tmp_path, data, "optim.max_steps=6", "optim.lr=0.01", "logging.log_every=1", "loss=hard"))
+    first.train()
+    first.save_heads(first.evaluate())
+    saved = tmp_path / "run" / "heads"
+    other = repetitive_conversations(tmp_path / "other.jsonl", 9)
+    again = build(["--config", str(TINY), f"output_dir={tmp_path / 'again'}", f"data.source={other}",
+                   "data.eval_samples=2", "optim.max_steps=1", "optim.lr=0", "logging.log_every=1", "loss=hard",
+                   f"init_from={saved}", "draft.aux_layers=[1]"])
+    assert again.aux_layers == first.aux_layers and torch.equal(again.model.draft_vocab, first.model.draft_vocab)
+    batch = first.make_batch([0, 1])
+    before, _ = first.loss(batch, first.counts(batch))
+    after, _ = again.loss(batch, again.counts(batch))
+    assert float(after.detach()) == pytest.approx(float(before.detach()), rel=1e-5)
+    again.train()
+    again.save_heads(again.evaluate())
+    a, b = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "again" / "heads"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
