@@ -79,6 +79,7 @@ class EagleRecipeConfig:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
         if self.loss not in ("soft", "hard"):
             raise ValueError(f"loss must be soft or hard, got {self.loss!r}")
+        T.check_init_from(self.init_from, self.heads_dir, self.output_dir)
         if self.teacher_chunk_size < 1:
             raise ValueError(f"teacher_chunk_size must be >= 1, got {self.teacher_chunk_size!r}")
 
@@ -118,7 +119,7 @@ class EagleRecipe(T.Recipe):
         draft_vocab = None
         if cfg.init_from is not None:
             saved = from_pretrained(cfg.init_from, self.base, dtype=torch.float32)
-            config = dataclasses.replace(saved.config, decoding=config.decoding)
+            config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model)
             aux = list(config.aux_layers)
             draft_vocab = saved.draft_vocab if config.draft_vocab_size < vocab else None
         elif config.draft_vocab_size < vocab:

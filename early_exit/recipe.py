@@ -92,7 +92,8 @@ class EarlyExitRecipeConfig:
     loss_vocab: str = "auto"  # full | draft (KL over the draft vocabulary only: cheaper) | auto (draft if it is set)
     method: str = "distill"  # distill: frozen base, train the classifier | layerskip: LoRA backbone, early-exit loss
     # A saved classifier to start from (method distill): its exit layer, adapter and draft vocabulary are kept, so
-    # ``classifier.*`` must agree on the exit layer; e.g. to go on training the committed one on more data.
+    # ``classifier.*`` must agree on the exit layer; e.g. to go on training the committed one on more data. The run
+    # saves a new classifier (with the policy of ``draft``) to heads_dir, which must be another directory.
     init_from: str | None = None
     classifier: ClassifierConfig = dataclasses.field(default_factory=ClassifierConfig)  # what is trained
     draft: DraftDefaults = dataclasses.field(default_factory=DraftDefaults)  # draft policy saved with it
@@ -108,8 +109,9 @@ class EarlyExitRecipeConfig:
             raise ValueError(f"method must be distill or layerskip, got {self.method!r}")
         if self.loss_vocab not in ("auto", "full", "draft"):
             raise ValueError(f"loss_vocab must be auto, full or draft, got {self.loss_vocab!r}")
-        if self.loss_vocab == "draft" and c.draft_vocab_size is None:
+        if self.loss_vocab == "draft" and c.draft_vocab_size is None and self.init_from is None:
             raise ValueError("loss_vocab: draft needs classifier.draft_vocab_size")
+        T.check_init_from(self.init_from, self.heads_dir, self.output_dir)
         if self.init_from is not None and self.method != "distill":
             raise ValueError("init_from starts a distilled classifier from a saved one; method layerskip trains the "
                              "backbone instead: remove init_from")
@@ -162,6 +164,9 @@ class EarlyExitRecipe(T.Recipe):
                                  f"classifier.exit_layer is {c.exit_layer}: set classifier.exit_layer="
                                  f"{self.classifier.exit_layer}")
             draft_vocab = self.classifier.draft_vocab if self.classifier.draft_vocab.numel() else None
+            if draft_vocab is None and cfg.loss_vocab == "draft":
+                raise ValueError(f"loss_vocab: draft, but the classifier in init_from {cfg.init_from} has no draft "
+                                 "vocabulary: set loss_vocab=full (or auto)")
         else:
             draft_vocab = None if c.draft_vocab_size is None else frequent_tokens(self.train_examples,
                                                                                  c.draft_vocab_size, vocab)
@@ -187,7 +192,7 @@ class EarlyExitRecipe(T.Recipe):
         self._check_trainable(trained)
         # Only what trains is prepared (and checkpointed): the classifier, or (layerskip) the LoRA-adapted decoder.
         self.setup_optimizer(trained)
-        use_draft = cfg.loss_vocab == "draft" or (cfg.loss_vocab == "auto" and draft_vocab is not None)
+        use_draft = draft_vocab is not None and cfg.loss_vocab in ("draft", "auto")
         self.loss_rows = self.classifier.draft_vocab.clone() if use_draft and not self.layerskip else None
         self.hidden_cache = self._hidden_cache() if cfg.cache_hidden_states and not self.layerskip else None
         self.setup_run()

@@ -17,7 +17,8 @@ a few dozen templates). Everything comes from text that ships with Python or on 
 | humanities | 249 countries, 31 former ones and 184 languages (`pycountry`, LGPL data from ISO/Debian), a list of topics in history, philosophy, art, literature, economics and law |
 
 Each record is ``{"id", "source", "conversations": [{"from": "human", "value": PROMPT}]}``, shuffled with a fixed
-seed so a run stopped by its time budget has answered a mix of every family.
+seed so a run stopped by its time budget has answered a mix of every family. The code prompts read the running
+Python's standard library (6,480 prompts in all with Python 3.11; another version gives a similar, not equal, set).
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ LANGUAGE_TEMPLATES = [
 ]
 
 
-def stdlib_functions(rng: random.Random) -> tuple[list[dict], list[str]]:
+def stdlib_functions() -> tuple[list[dict], list[str]]:
     """Public functions of the modules above with a docstring, and the source of the short pure-Python ones."""
     api, snippets = [], []
     for name in dict.fromkeys(STDLIB_MODULES):
@@ -273,7 +274,7 @@ def build(wheels: Path, answers: Path | None, seed: int = 20261205) -> list[dict
     rng = random.Random(seed)
     out: list[tuple[str, str]] = []
     # code
-    api, snippets = stdlib_functions(rng)
+    api, snippets = stdlib_functions()
     rng.shuffle(api)
     rng.shuffle(snippets)
     out += [("code", api_prompt(rng, entry, api)) for entry in api[:900]]
@@ -324,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     records = build(args.wheels, args.answers, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(len(records), dict(Counter(r["source"] for r in records)), "->", args.out)
+    # The code family reads the running Python's standard library: another version gives another (similar) set.
+    print(len(records), dict(Counter(r["source"] for r in records)), "->", args.out,
+          f"(Python {sys.version_info.major}.{sys.version_info.minor} standard library)")
     return 0
 
 

@@ -20,6 +20,7 @@ from selfspec.training.config import (
                                            LoraConfig,
                                            OptimConfig,
                                            apply_overrides,
+                                           check_init_from,
                                            config_to_dict,
                                            flat_config,
                                            load_config,
@@ -34,7 +35,7 @@ from selfspec.training.session import count_parameters, global_mean_denominator,
 
 __all__ = [
     "CHECKPOINT_PREFIX", "TRAINER_STATE", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
-    "DataConfig", "LoggingConfig", "LoraConfig", "OptimConfig", "apply_overrides", "config_to_dict", "flat_config",
+    "DataConfig", "LoggingConfig", "LoraConfig", "OptimConfig", "apply_overrides", "check_init_from", "config_to_dict", "flat_config",
     "load_config", "lr_lambda", "parse_recipe_args", "step_batches",
     "cached_hidden_states", "examples_digest", "hidden_states",
     "chunked_cross_entropy", "chunked_kl", "chunked_rank_counts",

@@ -325,3 +325,17 @@ def step_batches(num_examples: int, step: int, steps_per_epoch: int, optim: Opti
         start = (within * optim.gradient_accumulation_steps + m) * micro + accelerator.process_index * optim.batch_size
         out.append(order[start:start + optim.batch_size].tolist())
     return out
+
+
+def check_init_from(init_from: str | None, heads_dir: str | None, output_dir: str) -> None:
+    """A recipe that starts from saved heads (``init_from``) must save its own elsewhere.
+
+    Raises:
+        ValueError: ``init_from`` is the directory the run would save to (``heads_dir``, or ``<output_dir>/heads``).
+    """
+    if init_from is None:
+        return
+    target = Path(heads_dir) if heads_dir else Path(output_dir) / "heads"
+    if target.resolve() == Path(init_from).resolve():
+        raise ValueError(f"init_from {init_from} is also where this run would save (heads_dir): set heads_dir to "
+                         "another directory (or null: <output_dir>/heads) so the heads it starts from are kept")

@@ -75,11 +75,22 @@ def load_records(source: str | list[str], split: str = "train"):
         if not source:
             raise ValueError("data source: an empty list; name at least one dataset")
         parts = [load_records(str(s), split) for s in source]
-        for s, part in zip(source[1:], parts[1:]):
-            if sorted(part.column_names) != sorted(parts[0].column_names):
-                raise ValueError(f"data sources {source[0]!r} and {s!r} have different columns "
-                                 f"({parts[0].column_names} vs {part.column_names}); list only datasets of one format")
-        return datasets.concatenate_datasets([p.select_columns(parts[0].column_names) for p in parts])
+        formats = [detect_format(part.column_names) for part in parts]
+        for s, fmt in zip(source[1:], formats[1:]):
+            if fmt != formats[0]:
+                raise ValueError(f"data sources {source[0]!r} ({formats[0]}) and {s!r} ({fmt}) are in different "
+                                 "formats; list only datasets of one format (or convert one)")
+        # Columns one source has and another lacks (a 'source' tag, say) are dropped; ids are compared as text.
+        common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts[1:])]
+        parts = [part.select_columns(common) for part in parts]
+        if "id" in common:
+            parts = [part if part.features["id"] == datasets.Value("string")
+                     else part.cast_column("id", datasets.Value("string")) for part in parts]
+        try:
+            return datasets.concatenate_datasets(parts)
+        except ValueError as e:
+            raise ValueError(f"data sources {list(source)}: the same columns hold different types ({e}); list only "
+                             "datasets written the same way") from None
     path = Path(source).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
         records = datasets.load_from_disk(str(path))
@@ -318,8 +329,13 @@ def self_generated_prompts(model, tokenizer, num_prompts: int, *, max_new_tokens
     return [t for t in texts if t]
 
 
-def prompts_from_source(source: str, num_prompts: int | None = None) -> list[dict]:
-    """``[{"id", "prompt"}]``: the first user turn of every record of a dataset (any format but ``text``)."""
+def prompts_from_source(source: str | list[str], num_prompts: int | None = None) -> list[dict]:
+    """``[{"id", "prompt"}]``: the first user turn of every record of a dataset (any format but ``text``); from a list
+    of datasets, ids are prefixed with the dataset's position (``"1:abc"``) so that equal ids stay apart."""
+    if isinstance(source, (list, tuple)):
+        out = [{"id": f"{k}:{p['id']}", "prompt": p["prompt"]} for k, s in enumerate(source)
+               for p in prompts_from_source(str(s))]
+        return out[:num_prompts] if num_prompts is not None else out
     records = load_records(source)
     fmt = detect_format(records.column_names)
     out = []

@@ -103,31 +103,39 @@ def _convert_legacy(directory: Path, fingerprint: str, examples: Sequence[dict],
     """Files of the first cache format (``hidden-<fingerprint>-<examples digest>-<layer>``, one per training set,
     keyed by position) for exactly these examples are rewritten keyed by example, so that other data mixes that
     share examples with them reuse their states."""
-    from safetensors.torch import load_file, save
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     digest = examples_digest(examples)
     for path in directory.glob(f"hidden-{fingerprint}-{digest}-*.safetensors"):
         tag = path.stem.rsplit("-", 1)[1]
-        stored = load_file(str(path))
-        if len(stored) != len(examples):
-            continue
-        rekeyed = {keys[int(i)]: t for i, t in stored.items()}
-        atomic_write_bytes(directory / f"states-{fingerprint}-{tag}-{digest}.safetensors", save(rekeyed))
+        with safe_open(str(path), framework="pt") as f:
+            if len(f.keys()) != len(examples):
+                continue
+            rekeyed = {keys[int(i)]: f.get_tensor(i) for i in f.keys()}
+        target = directory / f"states-{fingerprint}-{tag}-{digest}.safetensors"
+        partial = target.with_suffix(".partial")
+        save_file(rekeyed, str(partial))  # straight to disk: no second copy of a multi-GB file in memory
+        del rekeyed
+        partial.replace(target)
         path.unlink()
 
 
 def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int], directory: str | Path, *,
                          pad_id: int = 0, batch_size: int = 8, accelerator: Any = None,
                          progress: Callable[[Any], Any] | None = None,
-                         also: Sequence[int] = (), chunk_examples: int = 512) -> dict[int, list[torch.Tensor]]:
+                         also: Sequence[int] = (), chunk_examples: int = 512,
+                         chunk_bytes: int = 1 << 30) -> dict[int, list[torch.Tensor]]:
     """``{layer: [one [len, hidden] tensor per example]}``: the base's states of ``layers``, computed (by the main
     process) only for the examples whose states are not yet stored under ``directory``, then read back by every
     process.
 
     States are stored per example, keyed by a digest of its token ids (``example_key``), in
-    ``states-<model fingerprint>-<layer>-<chunk digest>.safetensors`` files of up to ``chunk_examples`` examples,
-    each written atomically as soon as it is complete. So a run on more data (another corpus added, a larger
-    ``num_samples``) computes only what is new, and a pass killed part way resumes after its last chunk.
+    ``states-<model fingerprint>-<layer>-<chunk digest>.safetensors`` files of up to ``chunk_examples`` examples
+    (or ``chunk_bytes`` of states in memory), each written atomically as soon as it is complete. So a run on more
+    data (another corpus added, a larger ``num_samples``) computes only what is new, and a pass killed part way
+    resumes after its last chunk. A file of the first format (one per training set, keyed by position) is converted
+    when a run on that same training set, in that order, reads it.
 
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
     ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
@@ -154,10 +162,10 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
             states: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in missing}
 
             def flush():
-                chunk = hashlib.sha256("".join(sorted(states[missing[0]])).encode()).hexdigest()[:16]
                 for layer in missing:
                     fresh = {k: t for k, t in states[layer].items() if k not in stored[layer]}
                     if fresh:
+                        chunk = hashlib.sha256("".join(sorted(fresh)).encode()).hexdigest()[:16]
                         atomic_write_bytes(directory / f"states-{fingerprint}-{_layer_tag(layer)}-{chunk}.safetensors",
                                            save(fresh))
                     states[layer].clear()
@@ -170,7 +178,8 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
                 for layer in missing:
                     for row, i in enumerate(chunk):
                         states[layer][keys[i]] = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
-                if len(states[missing[0]]) >= chunk_examples:
+                held = sum(t.numel() * t.element_size() for layer in missing for t in states[layer].values())
+                if len(states[missing[0]]) >= chunk_examples or held >= chunk_bytes:
                     flush()
             if states[missing[0]]:
                 flush()

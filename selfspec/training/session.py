@@ -80,7 +80,8 @@ def prepare_examples(data: DataConfig, model, tokenizer, work_dir: str | Path, a
         held_out = D.tokenize_records(D.load_records(data.eval_source, data.split), tokenizer, fmt=data.format,
                                       max_length=data.max_length, assistant_only=data.assistant_only,
                                       num_samples=data.eval_samples or None)
-        return [examples[i] for i in order], held_out
+        seen = {tuple(e["input_ids"]) for e in held_out}  # what is held out never trains
+        return [examples[i] for i in order if tuple(examples[i]["input_ids"]) not in seen], held_out
     n_eval = min(data.eval_samples, len(examples) // 2)
     if len(examples) - n_eval < 1:
         raise ValueError(f"only {len(examples)} usable example(s): too few to train on")

@@ -193,8 +193,15 @@ def test_a_list_of_sources_is_their_concatenation(tmp_path, tokenizer):
     write_jsonl(tmp_path / "b" / "shard-00000.jsonl", [FORMAT_ROWS["sharegpt"]] * 3)
     assert len(D.load_records([str(a), str(tmp_path / "b")])) == 5
     alpaca = write_jsonl(tmp_path / "c.jsonl", [FORMAT_ROWS["alpaca"]])
-    with pytest.raises(ValueError, match="different columns"):
+    with pytest.raises(ValueError, match="different formats"):
         D.load_records([str(a), str(alpaca)])
+    # the same format with an extra column, and ids of another type: joined on what they share
+    tagged = write_jsonl(tmp_path / "d.jsonl", [{"id": 7, "source": "x", **FORMAT_ROWS["sharegpt"]}])
+    named = write_jsonl(tmp_path / "e.jsonl", [{"id": "seven", **FORMAT_ROWS["sharegpt"]}])
+    joined = D.load_records([str(tagged), str(named)])
+    assert joined.column_names == ["id", "conversations"] and joined["id"] == ["7", "seven"]
+    # prompts from several datasets keep equal ids apart
+    assert [p["id"] for p in D.prompts_from_source([str(tagged), str(tagged)])] == ["0:7", "1:7"]
     with pytest.raises(ValueError, match="empty list"):
         D.load_records([])
     with pytest.raises(FileNotFoundError):
@@ -229,3 +236,8 @@ def test_eval_source_holds_out_another_dataset_and_trains_on_all_of_source(tmp_p
     decode = tokenizer.decode
     assert len(train) == 6 and len(held) == 3
     assert all("other" in decode(e["input_ids"]) for e in held) and not any("other" in decode(e["input_ids"]) for e in train)
+    # an example in both never trains
+    both = write_jsonl(tmp_path / "both.jsonl", train_rows + eval_rows[:1])
+    train, held = prepare_examples(DataConfig(source=str(both), eval_source=str(other), eval_samples=3), model,
+                                   tokenizer, tmp_path, None)
+    assert len(train) == 6 and not any("other" in decode(e["input_ids"]) for e in train)

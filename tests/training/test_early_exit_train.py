@@ -149,6 +149,8 @@ def test_init_from_starts_where_a_saved_classifier_stopped(tmp_path):
     with pytest.raises(ValueError, match="set classifier.exit_layer=2"):
         exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
             tmp_path, "bad", **{"optim.max_steps": 1, "init_from": str(saved), "classifier.exit_layer": 1})])
+    with pytest.raises(ValueError, match="set heads_dir to another directory"):
+        T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, [f"init_from={saved}", f"heads_dir={saved}"])
     with pytest.raises(ValueError, match="remove init_from"):
         T.load_config(exit_recipe.EarlyExitRecipeConfig, TINY, [f"init_from={saved}", "method=layerskip",
                                                                 "classifier.adapter_layers=0"])

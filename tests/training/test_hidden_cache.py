@@ -133,6 +133,9 @@ def test_a_killed_pass_resumes_after_its_last_written_chunk(tmp_path, monkeypatc
     assert sum(rows) == 5
     for i, e in enumerate(examples):
         torch.testing.assert_close(states[-1][i], _direct(model, e, -1), rtol=1e-5, atol=1e-5)
+    # a byte budget bounds what is held in memory: here every batch is written as soon as it is computed
+    T.cached_hidden_states(model, examples, [2], tmp_path / "small", batch_size=2, chunk_bytes=1)
+    assert len(list((tmp_path / "small").glob("states-*"))) == 5
 
 
 def test_a_cache_of_the_first_format_is_converted_and_reused(tmp_path, monkeypatch):

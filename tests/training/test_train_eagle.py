@@ -161,3 +161,6 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
     again.save_heads(again.evaluate())
     a, b = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "again" / "heads"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="set heads_dir to another directory"):  # never overwrite what it starts from
+        eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, TINY, [f"init_from={saved}",
+                                                                     f"output_dir={tmp_path / 'run'}"])
