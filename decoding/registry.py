@@ -57,10 +57,20 @@ def drafter_factory(name: str) -> DrafterFactory:
     return installed[name].load()
 
 
-def parse_part(text: str) -> tuple[str, str | None, dict[str, str]]:
+def _scalar(text: str) -> Any:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if value is None or isinstance(value, (bool, int, float, str)) else text
+
+
+def parse_part(text: str) -> tuple[str, str | None, dict[str, Any]]:
     """One drafter of a spec, ``NAME[:DIR][[key=value,...]]`` -> ``(name, dir or None, options)``:
-    ``"datastore:runs/ds[nodes=3]"`` -> ``("datastore", "runs/ds", {"nodes": "3"})``. Values stay strings (each
-    drafter's factory reads its own).
+    ``"datastore:runs/ds[nodes=3]"`` -> ``("datastore", "runs/ds", {"nodes": 3})``. Values are read as YAML scalars,
+    as ``--draft-option`` reads them (``3``, ``0.5``, ``true``, ``null``; anything else stays a string, e.g. ``none``).
 
     Raises:
         ValueError: an option without ``=``.
@@ -73,7 +83,7 @@ def parse_part(text: str) -> tuple[str, str | None, dict[str, str]]:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"drafter option {item!r} in {text}[{inner}]: write key=value")
-            options[key.strip()] = value.strip()
+            options[key.strip()] = _scalar(value.strip())
     name, _, directory = text.partition(":")
     return name, directory or None, options
 

@@ -173,8 +173,8 @@ def test_drafter_specs_carry_per_drafter_options(tmp_path):
     from decoding.registry import parse_part
     from selfspec.bench.methods import GenSettings, parse_method
 
-    assert parse_part("datastore:runs/ds[nodes=3, min_ngram=1]") == (
-        "datastore", "runs/ds", {"nodes": "3", "min_ngram": "1"})
+    assert parse_part("datastore:runs/ds[nodes=3, min_ngram=1, floor=0.5, x=none]") == (
+        "datastore", "runs/ds", {"nodes": 3, "min_ngram": 1, "floor": 0.5, "x": "none"})
     assert parse_part("lookup") == ("lookup", None, {}) and parse_part("medusa:d") == ("medusa", "d", {})
     with pytest.raises(ValueError, match="write key=value"):
         parse_part("lookup[nodes]")
@@ -196,6 +196,11 @@ def test_drafter_specs_carry_per_drafter_options(tmp_path):
     assert all(m.generate(model, prompt, settings).tokens == expected for m in methods)
     with pytest.raises(ValueError, match="unknown lookup drafter option"):
         parse_method("lookup[width=2]").drafter(model)
+    # typed options reach every drafter's factory: an early-exit policy set in the spec
+    from early_exit.classifier import new_classifier
+    new_classifier(model, 2, adapter_layers=1).save_pretrained(tmp_path / "x", model)
+    exit_drafter = parse_method(f"early-exit:{tmp_path / 'x'}[max_depth=2,threshold=0.5]").drafter(model)
+    assert (exit_drafter.policy.max_depth, exit_drafter.policy.threshold) == (2, 0.5)
 
 
 def test_method_lists_keep_commas_inside_options(tmp_path, capsys):
