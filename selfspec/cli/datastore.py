@@ -40,23 +40,24 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--limit must be at least 1")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
+    data = " ".join(args.data)
     records = load_records(args.data if len(args.data) > 1 else args.data[0])
     fmt = detect_format(records.column_names) if args.format == "auto" else args.format
     total = min(len(records), args.limit or len(records))
     examples = tokenize_records(tqdm(records, desc="tokenizing", unit="conv", total=total), tokenizer, fmt=fmt,
                                 max_length=1 << 30, num_samples=args.limit)
     meta = {"vocab_size": model.config.vocab_size, "tokenizer": getattr(tokenizer, "name_or_path", None) or args.model,
-            "model": args.model, "source": " ".join(args.data)}
+            "model": args.model, "source": data}
     documents = (e["input_ids"] for e in examples) if args.turns == "all" else (
         turn for e in examples for turn in assistant_turns(e))
     meta["turns"] = args.turns
     datastore = Datastore.build(documents, context=args.context, meta=meta)
     what = "conversations" if args.turns == "all" else "assistant turns"
-    card = (f"# Datastore for {args.model}\n\n{datastore.meta['num_documents']:,} {what} of `{' '.join(args.data)}`, "
+    card = (f"# Datastore for {args.model}\n\n{datastore.meta['num_documents']:,} {what} of `{data}`, "
             f"{datastore.meta['num_tokens']:,} tokens (chat template applied), indexed for matches of up to "
             f"{args.context} tokens.\n\nUse: `selfspec generate --draft lookup+datastore:THIS_DIR`, or "
             "the benchmark method `lookup+datastore:THIS_DIR`.\n\nMade with: `selfspec datastore --data "
-            f"{' '.join(args.data)} --out {args.out} --model {args.model} --context {args.context}"
+            f"{data} --out {args.out} --model {args.model} --context {args.context}"
             f"{f' --limit {args.limit}' if args.limit else ''}{' --turns assistant' if args.turns != 'all' else ''}`\n")
     datastore.save(args.out, card=card)
     size = sum(p.stat().st_size for p in Path(args.out).iterdir()) / 2**20

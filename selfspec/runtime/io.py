@@ -18,7 +18,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,20 +88,21 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old content or the new, never a partial file.
+def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Write ``path`` through ``write(temporary_path)`` (e.g. ``safetensors.torch.save_file``, which streams to disk
+    without a second in-memory copy) so that readers see the old content or the new, never a partial file.
 
     Raises:
         OSError: the directory is missing or not writable.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{_TMP_INFIX}")
+    os.close(fd)
     try:
         # mkstemp creates 0600; the file gets the mode a plain open() would give it (0666 less the umask)
         os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -109,6 +110,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """``atomic_write_file`` for bytes already in memory.
+
+    Raises:
+        OSError: the directory is missing or not writable.
+    """
+    return atomic_write_file(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from selfspec.runtime.identity import base_model_identity
-from selfspec.runtime.io import atomic_write_bytes
+from selfspec.runtime.io import atomic_write_file
 from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 from selfspec.training.data import collate
 
@@ -113,11 +113,10 @@ def _convert_legacy(directory: Path, fingerprint: str, examples: Sequence[dict],
             if len(f.keys()) != len(examples):
                 continue
             rekeyed = {keys[int(i)]: f.get_tensor(i) for i in f.keys()}
-        target = directory / f"states-{fingerprint}-{tag}-{digest}.safetensors"
-        partial = target.with_suffix(".partial")
-        save_file(rekeyed, str(partial))  # straight to disk: no second copy of a multi-GB file in memory
-        del rekeyed
-        partial.replace(target)
+        # straight to disk: no second copy of a multi-GB file in memory
+        atomic_write_file(directory / f"states-{fingerprint}-{tag}-{digest}.safetensors",
+                          lambda tmp: save_file(rekeyed, str(tmp)))
+        rekeyed.clear()
         path.unlink()
 
 
@@ -142,7 +141,7 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     on other layers of the same data (an exit-layer sweep) then skip the pass.
     """
     from safetensors import safe_open
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -153,21 +152,24 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     if main:
         _convert_legacy(directory, fingerprint, examples, keys)
         stored = {layer: _stored_keys(directory, fingerprint, layer) for layer in everything}
-        todo = list({k: i for i, k in reversed(list(enumerate(keys)))
-                     if any(k not in stored[layer] for layer in layers)}.values())
+        first: dict[str, int] = {}  # an example that occurs twice is computed once
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        todo = [i for k, i in first.items() if any(k not in stored[layer] for layer in layers)]
         if todo:
             missing = [layer for layer in everything if any(keys[i] not in stored[layer] for i in todo)]
             # Batches of similar lengths: padding to the longest of a random batch would double the work.
             todo.sort(key=lambda i: len(examples[i]["input_ids"]))
             states: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in missing}
+            held = 0  # bytes of states in memory
 
             def flush():
                 for layer in missing:
                     fresh = {k: t for k, t in states[layer].items() if k not in stored[layer]}
                     if fresh:
                         chunk = hashlib.sha256("".join(sorted(fresh)).encode()).hexdigest()[:16]
-                        atomic_write_bytes(directory / f"states-{fingerprint}-{_layer_tag(layer)}-{chunk}.safetensors",
-                                           save(fresh))
+                        atomic_write_file(directory / f"states-{fingerprint}-{_layer_tag(layer)}-{chunk}.safetensors",
+                                          lambda tmp: save_file(fresh, str(tmp)))
                     states[layer].clear()
 
             starts = range(0, len(todo), batch_size)
@@ -177,10 +179,12 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
                 out = hidden_states(model, batch["input_ids"], batch["attention_mask"], missing)
                 for layer in missing:
                     for row, i in enumerate(chunk):
-                        states[layer][keys[i]] = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
-                held = sum(t.numel() * t.element_size() for layer in missing for t in states[layer].values())
+                        state = out[layer][row, :len(examples[i]["input_ids"])].float().contiguous()
+                        states[layer][keys[i]] = state
+                        held += state.numel() * state.element_size()
                 if len(states[missing[0]]) >= chunk_examples or held >= chunk_bytes:
                     flush()
+                    held = 0
             if states[missing[0]]:
                 flush()
     if accelerator is not None:
