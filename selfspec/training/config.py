@@ -168,7 +168,7 @@ def flat_config(config) -> dict:
 
 
 #: keys a resumed run may change without --allow-changed: budgets, lengths, logging and where things are written
-RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "hidden_cache_layers", "optim.max_minutes", "optim.max_steps",
+RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "hidden_cache_layers", "optim.max_minutes", "optim.max_steps", "optim.mixed_precision",
                      "optim.epochs", "logging.report_to", "logging.project", "logging.log_every",
                      "logging.save_every", "logging.keep_last", "logging.eval_every")
 
@@ -258,8 +258,20 @@ class OptimConfig:
     # Time budget: after this many minutes of training the run checkpoints, evaluates, saves what it has and
     # stops; ``--resume`` with the same config continues where it stopped (None: no budget).
     max_minutes: float | None = None
+    # Autocast for the trained module's forward and loss (weights, optimizer state and the teacher stay fp32):
+    # no | bf16 | fp16, or None for accelerate's choice (`accelerate launch --mixed_precision`, default no). bf16 is
+    # ~1.9x faster for the EAGLE drafter on a CPU with AVX512-BF16 or AMX (lscpu: avx512_bf16, amx_bf16) and slower
+    # on one without; on GPUs it is the usual choice.
+    mixed_precision: str | None = None
+    # Batch examples of similar length (HF Trainer's group_by_length): each epoch's shuffled order is cut into
+    # groups of 50 optimizer steps, sorted by length inside a group, and the group's batches shuffled again. Less
+    # padding per batch (the EAGLE recipe's step costs its longest row x batch size); the same examples per epoch.
+    group_by_length: bool = False
 
     def __post_init__(self):
+        if self.mixed_precision not in (None, "no", "bf16", "fp16"):
+            raise ValueError(f"optim.mixed_precision must be no, bf16, fp16 or null (accelerate's choice), got "
+                             f"{self.mixed_precision!r}")
         if self.max_minutes is not None and (isinstance(self.max_minutes, bool)
                                              or not isinstance(self.max_minutes, (int, float))
                                              or not self.max_minutes > 0):
@@ -313,13 +325,39 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
+LENGTH_GROUP_STEPS = 50  # optimizer steps per length group (HF's LengthGroupedSampler uses megabatches of 50)
+
+
+def epoch_order(num_examples: int, epoch: int, optim: OptimConfig, num_processes: int, seed: int = 0,
+                lengths: list[int] | None = None) -> torch.Tensor:
+    """The order in which epoch ``epoch`` visits the examples: a seeded permutation, or with ``optim.group_by_length``
+    (and ``lengths``) that permutation cut into groups of ``LENGTH_GROUP_STEPS`` optimizer steps, each sorted by
+    length (longest first) and cut into global batches, which are shuffled again within the group."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(num_examples, generator=generator)
+    if not optim.group_by_length or lengths is None:
+        return order
+    if len(lengths) != num_examples:
+        raise ValueError(f"{len(lengths)} lengths for {num_examples} examples")
+    batch = optim.batch_size * num_processes * optim.gradient_accumulation_steps
+    size = batch * LENGTH_GROUP_STEPS
+    length = torch.as_tensor(lengths)
+    grouped = []
+    for start in range(0, num_examples, size):
+        group = order[start:start + size]
+        group = group[torch.argsort(length[group], descending=True, stable=True)]
+        batches = list(group.split(batch))
+        grouped += [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return torch.cat(grouped) if grouped else order
+
+
 def step_batches(num_examples: int, step: int, steps_per_epoch: int, optim: OptimConfig, accelerator,
-                 seed: int = 0) -> list[list[int]]:
-    """This process's micro-batches of optimizer step ``step``: a per-epoch seeded permutation cut into global
-    batches, of which process ``i`` takes slice ``i``. The same examples are seen in total however many processes
-    run, and a resumed run sees exactly the batches the uninterrupted run would have."""
+                 seed: int = 0, lengths: list[int] | None = None) -> list[list[int]]:
+    """This process's micro-batches of optimizer step ``step``: a per-epoch seeded order (``epoch_order``) cut into
+    global batches, of which process ``i`` takes slice ``i``. The same examples are seen in total however many
+    processes run, and a resumed run sees exactly the batches the uninterrupted run would have."""
     epoch, within = divmod(step, steps_per_epoch)
-    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+    order = epoch_order(num_examples, epoch, optim, accelerator.num_processes, seed, lengths)
     micro, out = optim.batch_size * accelerator.num_processes, []
     for m in range(optim.gradient_accumulation_steps):
         start = (within * optim.gradient_accumulation_steps + m) * micro + accelerator.process_index * optim.batch_size

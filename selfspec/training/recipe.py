@@ -83,7 +83,8 @@ class Recipe:
         """The accelerator, the frozen base model and its tokenizer, the train/eval examples and the pad id."""
         cfg = self.cfg
         self.accelerator = session.make_accelerator(self.output_dir, cfg.logging.report_to,
-                                                    cfg.optim.gradient_accumulation_steps, cfg.seed)
+                                                    cfg.optim.gradient_accumulation_steps, cfg.seed,
+                                                    cfg.optim.mixed_precision)
         self.base, self.tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).eval().to(self.accelerator.device)
         self.train_examples, self.eval_examples = session.prepare_examples(
@@ -150,8 +151,11 @@ class Recipe:
 
     # ------------------------------------------------------------ train
     def _step_batches(self, step: int) -> list[list[int]]:
+        lengths = None
+        if self.cfg.optim.group_by_length:
+            lengths = [len(e["input_ids"]) for e in self.train_examples]
         return C.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
-                              self.cfg.seed)
+                              self.cfg.seed, lengths)
 
     def train(self):
         """Optimizer steps from ``self.step`` (0, or where the checkpoint left off) to ``total_steps``; each step's
@@ -173,7 +177,8 @@ class Recipe:
             for m, batch in enumerate(batches):
                 # DDP all-reduces the gradients once per optimizer step, in the backward of its last micro-batch.
                 with acc.no_sync(self.model) if m < len(batches) - 1 else contextlib.nullcontext():
-                    loss, terms = self.loss(batch, denominators)
+                    with acc.autocast():  # optim.mixed_precision: the forward and the loss (a no-op when "no")
+                        loss, terms = self.loss(batch, denominators)
                     acc.backward(loss)
                 loss_sum += loss.detach().item()
                 step_terms.append(terms.double())

@@ -5,6 +5,7 @@ DDP needs for exact global means. (The base model comes from ``selfspec.runtime.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,9 +14,11 @@ from selfspec.training import data as D
 from selfspec.training.config import DataConfig
 
 
-def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulation_steps: int = 1, seed: int = 0):
+def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulation_steps: int = 1, seed: int = 0,
+                     mixed_precision: str | None = None):
     """An ``Accelerator`` logging to ``report_to`` (``none``, ``wandb``, ``tensorboard``, ...), wandb offline unless
-    ``WANDB_MODE`` says otherwise, with every process seeded identically."""
+    ``WANDB_MODE`` says otherwise, with every process seeded identically. ``mixed_precision``: ``no``, ``bf16``,
+    ``fp16``, or None for what ``accelerate launch`` was told (default ``no``)."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
 
@@ -28,12 +31,17 @@ def make_accelerator(output_dir: str | Path, report_to: str, gradient_accumulati
         cpu=not torch.cuda.is_available(),
         log_with=None if report_to in ("none", "", None) else report_to,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=mixed_precision,
         # Recipes step the scheduler once per optimizer step and count their schedule in optimizer steps; by default
         # accelerate would step it num_processes times per call, so DDP runs would race through warm-up and decay.
         step_scheduler_with_optimizer=False,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "logs")),
     )
     set_seed(seed)
+    if (accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu"
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        warnings.warn("optim.mixed_precision=bf16 on a CPU without native bfloat16 (no AVX512-BF16 or AMX): it is "
+                      "emulated and slower than fp32 here; set optim.mixed_precision=no", stacklevel=2)
     return accelerator
 
 

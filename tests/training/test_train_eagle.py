@@ -164,3 +164,39 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
     with pytest.raises(ValueError, match="set heads_dir to another directory"):  # never overwrite what it starts from
         eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, TINY, [f"init_from={saved}",
                                                                      f"output_dir={tmp_path / 'run'}"])
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one AcceleratorState per process and refuses another precision in it; a user's process runs
+    one recipe, this test process many."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_mixed_precision_autocasts_the_step_and_keeps_fp32_weights(tmp_path, fresh_accelerator_state):
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    r = build(args(tmp_path, data, "optim.max_steps=12", "optim.epochs=20", "optim.lr=0.01", "logging.log_every=1",
+                   "loss=hard", "optim.mixed_precision=bf16"))
+    seen = []
+    loss = r.loss
+
+    def recording_loss(batch, denominators):  # what the training step computes under
+        total, terms = loss(batch, denominators)
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return total, terms
+
+    r.loss = recording_loss
+    r.train()
+    assert seen and all(enabled and dtype == torch.bfloat16 for enabled, dtype in seen), seen
+    assert all(p.dtype == torch.float32 for p in r.accelerator.unwrap_model(r.model).parameters())
+    assert r.history[-1]["loss"] < 0.8 * r.history[0]["loss"]
+    assert not torch.is_autocast_enabled("cpu")  # evaluation (and anything after the step) runs in fp32
+
+
+def test_mixed_precision_is_checked():
+    with pytest.raises(ValueError, match="optim.mixed_precision must be no, bf16, fp16 or null"):
+        eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, TINY, ["optim.mixed_precision=fp8"])
