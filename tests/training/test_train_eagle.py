@@ -200,3 +200,21 @@ def test_bf16_mixed_precision_autocasts_the_step_and_keeps_fp32_weights(tmp_path
 def test_mixed_precision_is_checked():
     with pytest.raises(ValueError, match="optim.mixed_precision must be no, bf16, fp16 or null"):
         eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, TINY, ["optim.mixed_precision=fp8"])
+
+
+def test_train_speed_script_times_each_precision(capsys):
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["eagle_train_speed.py", "--model", "tiny:llama", "--heads", "none", "--batch", "2", "--seq", "12",
+                "--ttt-steps", "2", "--repeats", "1"]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(ROOT / "scripts/eagle_train_speed.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 TTT steps" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:]] == ["fp32", "bf16"] and all("tokens/s" in x for x in lines[1:])
