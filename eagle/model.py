@@ -14,7 +14,9 @@ of ``g_{t+1}`` and the embedding of the token it drafted. Training unrolls exact
 Li et al. 2025): step ``j`` of position ``t`` attends to the step-0 entries of positions ``<= t`` (the verified
 context) and to its own chain's entries of steps ``1..j`` (what the drafted ancestors wrote), which is precisely
 what a draft-tree node at depth ``j + 1`` sees at decode time. ``tests/drafters/test_eagle.py`` checks the two
-paths give the same numbers.
+paths give the same numbers. The unroll attends through ``ttt_attention``, which takes that mask by its structure
+(one causal block, then one key per query in each later block), so step ``j`` costs about what step 0 costs rather
+than ``j + 1`` times its attention.
 
 The layer is the base model's own decoder-layer class built from its config, with q/k/v widened to ``2 * hidden``
 inputs; the embedding table (and, with ``share_lm_head``, the LM-head rows of the draft vocabulary) are the base's,
@@ -100,6 +102,98 @@ class EagleConfig:
             return cls(**data)
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path} is not a valid eagle drafter config: {e}") from None
+
+
+class ChainMask:
+    """The attention mask of one training-time-test step, by its structure rather than as a dense tensor: the
+    keys are ``blocks`` blocks of ``s`` positions; a query at ``t`` sees block 0 (the step-0 entries) where
+    ``first`` ``[b, 1, s, s]`` says so, and in each later block only position ``t`` (its own chain's entry).
+
+    ``ttt_attention`` computes that in ``O(s^2 + blocks s)`` instead of a dense ``[s, blocks s]`` mask's
+    ``O(blocks s^2)``; ``dense()`` is the same mask as a tensor, for any other attention implementation."""
+
+    def __init__(self, first: torch.Tensor, blocks: int, fallback: str):
+        self.first, self.blocks, self.fallback = first, blocks, fallback
+
+    def dense(self, additive: torch.dtype | None = None) -> torch.Tensor:
+        """``[b, 1, s, blocks s]``: bool (True = attend), or with ``additive`` a float mask of that dtype (0 or the
+        dtype's minimum), as eager attention takes it."""
+        b, _, s, _ = self.first.shape
+        diagonal = torch.eye(s, dtype=torch.bool, device=self.first.device).expand(b, 1, s, s)
+        mask = torch.cat([self.first] + [diagonal] * (self.blocks - 1), dim=-1)
+        if additive is None:
+            return mask
+        return torch.zeros(mask.shape, dtype=additive, device=mask.device).masked_fill(~mask,
+                                                                                       torch.finfo(additive).min)
+
+
+#: The attention implementation the draft layer runs while training unrolls (registered with transformers).
+TTT_ATTENTION = "selfspec_ttt_attention"
+_STRUCTURED_FROM = 2  # blocks from which ttt_attention computes by structure (step 0: the model's own kernel)
+
+
+def ttt_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """Attention of a training-time-test step (``attention_mask`` a ``ChainMask``): scores against block 0 as one
+    matmul and against the chain's own entries of blocks ``1..`` as one dot product per query, one softmax over
+    both. The same attention as the dense mask up to float rounding; step 0 (one block), a soft cap or attention sinks
+    go to the model's own implementation with the dense mask."""
+    if not isinstance(attention_mask, ChainMask):
+        raise TypeError(f"{TTT_ATTENTION} runs training-time-test steps only (got a {type(attention_mask).__name__})")
+    mask = attention_mask
+    b, heads, s, head_dim = query.shape
+    kv_heads = key.shape[1]
+    # A sliding window is not applied, as sdpa and eager with an explicit mask (how the draft layer decodes) do not
+    # apply one either (Mistral passes its config's window on every call).
+    # Step 0 (one block) is plain causal attention: the model's own kernel runs it best.
+    plain = (mask.blocks >= _STRUCTURED_FROM and key.shape[2] == mask.blocks * s and heads % kv_heads == 0
+             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
+    if not plain:
+        dense = mask.dense(query.dtype if mask.fallback == "eager" else None)
+        return _own_attention(module, mask.fallback)(module, query, key, value, dense, dropout=dropout,
+                                                     scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    groups = heads // kv_heads
+    q = query.reshape(b, kv_heads, groups * s, head_dim)  # the query heads that share a key/value head
+    k = key.view(b, kv_heads, mask.blocks, s, head_dim)
+    v = value.view(b, kv_heads, mask.blocks, s, head_dim)
+    first = (q @ k[:, :, 0].transpose(-1, -2)).view(b, kv_heads, groups, s, s) * scale
+    first = first.masked_fill(~mask.first[:, :, None], float("-inf"))
+    # each query's score against its own chain entry of block i: <q_t, k_{i, t}>, elementwise (a batched matmul
+    # of b * heads * s products of [groups, d] x [d, blocks - 1] runs far slower on a CPU)
+    own_keys = k[:, :, 1:].permute(0, 1, 3, 2, 4)[:, :, None]  # [b, kv, 1, s, blocks - 1, d]
+    own_values = v[:, :, 1:].permute(0, 1, 3, 2, 4)[:, :, None]
+    # (summed in fp32 as a matmul accumulates, also under bf16 autocast) -> [b, kv, g, s, blocks - 1]
+    chain = (q.view(b, kv_heads, groups, s, 1, head_dim).float() * own_keys.float()).sum(-1) * scale
+    probs = torch.softmax(torch.cat([first.float(), chain], dim=-1), dim=-1).to(query.dtype)
+    if dropout and module.training:
+        probs = F.dropout(probs, p=dropout)
+    out = (probs[..., :s].reshape(b, kv_heads, groups * s, s) @ v[:, :, 0]).view(b, kv_heads, groups, s, head_dim)
+    out = out + (probs[..., s:, None] * own_values).sum(-2)
+    return out.reshape(b, heads, s, head_dim).transpose(1, 2).contiguous(), None
+
+
+def _own_attention(module: nn.Module, implementation: str):
+    """The attention function ``implementation`` names for ``module`` (its modeling file's eager one for eager)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation != "eager" and implementation in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    return eager
+
+
+def _register_ttt_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TTT_ATTENTION, ttt_attention)
+
+
+_register_ttt_attention()
 
 
 class DraftCache(LayerCache):
@@ -275,27 +369,40 @@ class EagleDraftModel(nn.Module):
         return self.unroll(aux, input_ids, attention_mask, steps)
 
     def unroll(self, aux: Sequence[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               steps: int) -> list[torch.Tensor]:
+               steps: int, sparse: bool = True) -> list[torch.Tensor]:
         """The draft unrolled ``steps`` times over whole sequences (training-time test): ``[b, s, hidden]`` outputs
         of each step. Step ``j`` at position ``t`` reads ``s_{t+j+1}`` and predicts ``s_{t+j+2}``; it attends to
-        the step-0 entries of positions ``<= t`` and to the step-1..j entries of position ``t`` (its own chain)."""
+        the step-0 entries of positions ``<= t`` and to the step-1..j entries of position ``t`` (its own chain).
+
+        ``sparse``: attend through ``ttt_attention`` (the chain entries as one dot product per query, so step ``j``
+        costs about what step 0 costs) rather than the layer's own attention over a dense ``[s, (j + 1) s]`` mask;
+        the same numbers up to float rounding."""
         b, s = input_ids.shape
         device = input_ids.device
         valid = attention_mask.bool()
         positions = torch.arange(s, device=device)
         causal = positions[None, :] <= positions[:, None]  # [q, k]
         first = (causal[None] & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=device)[None]  # [b, q, k]
-        diagonal = torch.eye(s, dtype=torch.bool, device=device)[None].expand(b, s, s)
+        config = self.layer.self_attn.config
+        original = config._attn_implementation
+        own = original or "eager"
         cache = DraftCache()
         hidden = self.fuse(aux)
         outputs = []
         pad = torch.zeros(b, 1, dtype=input_ids.dtype, device=device)
         ids = input_ids
-        for j in range(steps):
-            ids = torch.cat([ids[:, 1:], pad], dim=1)  # s_{t+j+1} at position t
-            mask = torch.cat([first] + [diagonal] * j, dim=-1)[:, None]  # [b, 1, q, (j + 1) s]
-            hidden = self.step(hidden, ids, (positions + j)[None].expand(b, s), mask, cache)
-            outputs.append(hidden)
+        if sparse:
+            config._attn_implementation = TTT_ATTENTION
+        try:
+            for j in range(steps):
+                ids = torch.cat([ids[:, 1:], pad], dim=1)  # s_{t+j+1} at position t
+                mask = ChainMask(first[:, None], j + 1, own)  # [b, 1, q, (j + 1) s] by its structure
+                if not sparse:  # the layer's own attention over the whole mask (eager takes it additive)
+                    mask = mask.dense(hidden.dtype if own == "eager" else None)
+                hidden = self.step(hidden, ids, (positions + j)[None].expand(b, s), mask, cache)
+                outputs.append(hidden)
+        finally:
+            config._attn_implementation = original
         return outputs
 
 

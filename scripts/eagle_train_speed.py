@@ -2,6 +2,7 @@
 precision: what ``optim.mixed_precision`` buys before you launch a long run.
 
     python scripts/eagle_train_speed.py --batch 8 --seq 512 --ttt-steps 3 --precision fp32 bf16
+    python scripts/eagle_train_speed.py --ttt-steps 7 --precision bf16 --attention sparse dense
 
 The base's hidden states and teacher are computed once (as with ``cache_hidden_states``) and not timed; random token
 ids, the committed drafter's weights (or a fresh one: ``--heads none``). Median of ``--repeats`` steps after one warm-up.
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--attention", nargs="+", default=["sparse"], choices=["sparse", "dense"],
+                        help="the unroll's attention: by the chain's structure (the recipe's) or a dense mask")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         feats = T.hidden_states(base, ids, mask, layers + [-1])
         teacher = torch.softmax(base.get_output_embeddings()(feats[-1]), -1)[..., draft.draft_vocab]
 
-    def step(precision: str) -> float:
+    def step(precision: str, attention: str) -> float:
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            outputs = draft([feats[i] for i in layers], ids, mask, args.ttt_steps)
+            outputs = draft.unroll([feats[i] for i in layers], ids, mask, args.ttt_steps, sparse=attention == "sparse")
             loss = torch.zeros(())
             for j, out in enumerate(outputs):  # step j at t predicts t + j + 2, the base's prediction at t + j + 1
                 log_q = torch.log_softmax(draft.logits(out[:, :args.seq - j - 2]).float(), -1)
@@ -69,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cpu}, {torch.get_num_threads()} threads, batch {args.batch} x {args.seq}, {args.ttt_steps} TTT steps, "
           f"bf16 native: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     for precision in args.precision:
-        step(precision)
-        seconds = statistics.median(step(precision) for _ in range(args.repeats))
-        print(f"{precision}: {seconds:.2f} s a step, {args.batch * args.seq / seconds:,.0f} tokens/s")
+        for attention in args.attention:
+            step(precision, attention)
+            seconds = statistics.median(step(precision, attention) for _ in range(args.repeats))
+            print(f"{precision}, {attention} attention: {seconds:.2f} s a step, "
+                  f"{args.batch * args.seq / seconds:,.0f} tokens/s")
     return 0
 
 

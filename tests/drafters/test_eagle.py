@@ -350,3 +350,72 @@ def test_card_names_a_base_loaded_from_a_directory_by_its_architecture(llama):
                                                    "(loaded from /tmp)")
     config.base_model["name_or_path"] = "smollm2-135m-instruct"
     assert render_card(config).splitlines()[0] == "# EAGLE-3 feature drafter for smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sparse_training_attention_equals_the_dense_mask(arch, monkeypatch):
+    """The training-time-test attention computed by its structure (``ttt_attention``) gives the outputs and the
+    gradients of the layer's own attention over the dense mask, padding included, on every architecture."""
+    import eagle.model
+
+    model = tiny_model(arch)
+    draft = eagle_draft(model, seed=4).train()
+    ids = torch.cat([random_prompt(10, seed=6), random_prompt(10, seed=7)])
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    aux = aux_states(model, ids, draft.config.aux_layers)
+    runs = []
+    for sparse in (True, False):
+        draft.zero_grad(set_to_none=True)
+        with monkeypatch.context() as m:
+            if sparse:  # the structured path really runs: no dense mask beyond step 0's causal block is built
+                dense = eagle.model.ChainMask.dense
+                m.setattr(eagle.model.ChainMask, "dense", lambda self, *a: pytest.fail("dense mask built")
+                          if self.blocks > 1 else dense(self, *a))
+            outputs = draft.unroll(aux, ids, mask, steps=4, sparse=sparse)
+        sum((o * torch.linspace(-1, 1, o.shape[-1])).sum() * (j + 1) for j, o in enumerate(outputs)).backward()
+        runs.append((outputs, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (sparse_out, sparse_grads), (dense_out, dense_grads) = runs
+    for a, b in zip(sparse_out, dense_out):
+        assert torch.allclose(a, b, atol=1e-5), (arch, (a - b).abs().max())
+    assert sparse_grads.keys() == dense_grads.keys() and len(sparse_grads) > 5
+    for name in sparse_grads:
+        assert torch.allclose(sparse_grads[name], dense_grads[name], atol=1e-4, rtol=1e-4), (arch, name)
+    assert draft.layer.self_attn.config._attn_implementation == model.config._attn_implementation  # restored
+
+
+@pytest.mark.parametrize("fallback", ["sdpa", "eager"])
+def test_ttt_attention_hands_what_it_does_not_cover_to_the_models_own(llama, fallback, monkeypatch):
+    """A soft cap is not in the structured path: the model's own attention runs it with the dense mask (additive for
+    eager); elsewhere the structured path gives the model's own numbers."""
+    import eagle.model
+    from eagle.model import ChainMask, _own_attention, ttt_attention
+
+    attn = llama.model.layers[0].self_attn
+    b, heads, kv, s, d, blocks = 2, attn.config.num_attention_heads, attn.config.num_key_value_heads, 5, attn.head_dim, 3
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, heads, s, d, generator=g)
+    k, v = torch.randn(b, kv, blocks * s, d, generator=g), torch.randn(b, kv, blocks * s, d, generator=g)
+    first = torch.tril(torch.ones(s, s, dtype=torch.bool)).expand(b, 1, s, s).clone()
+    first[1, :, :, 3:] = torch.eye(s, dtype=torch.bool)[:, 3:]  # row 1 padded after position 2
+    mask = ChainMask(first, blocks, fallback)
+    dense = mask.dense(torch.float32 if fallback == "eager" else None)
+    own, _ = _own_attention(attn, fallback)(attn, q, k, v, dense, dropout=0.0, scaling=d ** -0.5)
+    calls = []
+
+    def recording(module, implementation):
+        calls.append(implementation)
+        return _own_attention(module, implementation)
+
+    monkeypatch.setattr(eagle.model, "_own_attention", recording)
+    structured, _ = ttt_attention(attn, q, k, v, mask, scaling=d ** -0.5)
+    assert torch.allclose(structured, own, atol=1e-5) and calls == []
+    # a sliding window (Mistral passes its config's on every call) is not applied, as sdpa and eager do not apply
+    # one with an explicit mask: the structured path runs
+    windowed, _ = ttt_attention(attn, q, k, v, mask, scaling=d ** -0.5, sliding_window=2)
+    assert torch.allclose(windowed, own, atol=1e-5) and calls == []
+    if fallback == "eager":  # a soft cap goes to the model's own (sdpa refuses one itself; Llama's eager ignores it)
+        handed_on, _ = ttt_attention(attn, q, k, v, mask, scaling=d ** -0.5, softcap=30.0)
+        assert calls == ["eager"] and torch.allclose(handed_on, own, atol=1e-5)
+    with pytest.raises(TypeError, match="training-time-test steps only"):
+        ttt_attention(attn, q, k, v, mask.dense())
