@@ -106,6 +106,9 @@ class Recipe:
         cfg, acc = self.cfg, self.accelerator
         step_examples = cfg.optim.batch_size * acc.num_processes * cfg.optim.gradient_accumulation_steps
         self.steps_per_epoch = max(1, len(self.train_examples) // step_examples)
+        # what optim.group_by_length groups by, read once rather than at every step
+        self.example_lengths = ([len(e["input_ids"]) for e in self.train_examples] if cfg.optim.group_by_length
+                                else None)
         self.total_steps = min(cfg.optim.max_steps or 10**12, self.steps_per_epoch * cfg.optim.epochs)
         params = [p for p in trained.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -151,11 +154,8 @@ class Recipe:
 
     # ------------------------------------------------------------ train
     def _step_batches(self, step: int) -> list[list[int]]:
-        lengths = None
-        if self.cfg.optim.group_by_length:
-            lengths = [len(e["input_ids"]) for e in self.train_examples]
         return C.step_batches(len(self.train_examples), step, self.steps_per_epoch, self.cfg.optim, self.accelerator,
-                              self.cfg.seed, lengths)
+                              self.cfg.seed, self.example_lengths)
 
     def train(self):
         """Optimizer steps from ``self.step`` (0, or where the checkpoint left off) to ``total_steps``; each step's

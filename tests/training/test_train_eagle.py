@@ -219,3 +219,14 @@ def test_train_speed_script_times_each_precision(capsys):
     assert "2 TTT steps" in lines[0]
     assert [line.split(":")[0] for line in lines[1:]] == ["fp32, sparse attention", "bf16, sparse attention"]
     assert all("tokens/s" in x for x in lines[1:])
+
+
+def test_group_by_length_reaches_the_recipes_batches(tmp_path):
+    from selfspec.training.config import step_batches
+
+    r = build(args(tmp_path, repetitive_conversations(tmp_path / "d.jsonl", 12), "optim.max_steps=2",
+                   "optim.batch_size=2", "optim.group_by_length=true"))
+    assert r.example_lengths == [len(e["input_ids"]) for e in r.train_examples]
+    for step in range(r.steps_per_epoch):
+        assert r._step_batches(step) == step_batches(len(r.train_examples), step, r.steps_per_epoch, r.cfg.optim,
+                                                     r.accelerator, r.cfg.seed, r.example_lengths)
