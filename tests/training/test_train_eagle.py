@@ -54,6 +54,37 @@ def test_step_losses_are_cross_entropies_to_the_base_distribution(tmp_path):
         assert bool(batch["loss_mask"][rows, cols + j + 2].all())
 
 
+def test_teacher_from_kept_log_normalisers_equals_the_full_softmax(tmp_path):
+    """From an example's second batch on, the teacher multiplies only the draft vocabulary's LM-head rows and
+    normalises by the log-normaliser kept from its first: the same probabilities and argmax as the full softmax, in
+    any batch the example lands in (other neighbours, other padding)."""
+    r = build(args(tmp_path, repetitive_conversations(tmp_path / "d.jsonl", 8), "optim.max_steps=1"))
+    assert r.cfg.draft.draft_vocab_size < r.base.config.vocab_size  # otherwise nothing would be saved
+    first = r.make_batch([0, 1, 2])
+    assert set(r.teacher_stats) == {0, 1, 2}
+    head = r.base.get_output_embeddings()
+    calls = []
+    handle = head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        again = r.make_batch([2, 0, 1])  # a different order: rows move, the longest example sets the padding
+    finally:
+        handle.remove()
+    assert not calls  # the full-vocabulary head did not run
+    for new_row, old_row in enumerate([2, 0, 1]):
+        n = int(first["attention_mask"][old_row].sum())
+        torch.testing.assert_close(again["teacher_probs"][new_row, :n], first["teacher_probs"][old_row, :n],
+                                   rtol=1e-5, atol=1e-7)
+        assert torch.equal(again["teacher_argmax"][new_row, :n], first["teacher_argmax"][old_row, :n])
+    assert not again["teacher_probs"][again["attention_mask"] == 0].any()
+    mixed = r.make_batch([0, 5])  # one example not seen yet: the full softmax for the whole batch
+    assert 5 in r.teacher_stats
+    n = int(first["attention_mask"][0].sum())
+    torch.testing.assert_close(mixed["teacher_probs"][0, :n], first["teacher_probs"][0, :n], rtol=1e-5, atol=1e-7)
+    denominators = r.counts(again)
+    torch.testing.assert_close(r.loss(again, denominators)[1],
+                               r.loss(r.make_batch([2, 0, 1]), denominators)[1])
+
+
 def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
     data = repetitive_conversations(tmp_path / "d.jsonl", 12)
     r = build(args(tmp_path, data, "optim.max_steps=12", "optim.epochs=20", "optim.lr=0.01", "logging.log_every=1",
