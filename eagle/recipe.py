@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, from_pretrained, save_pretrained
@@ -29,7 +30,8 @@ from selfspec.training.data import collate, frequent_tokens
 @dataclasses.dataclass
 class DraftConfig:
     aux_layers: list[int] | None = None  # base layers fused (output_hidden_states indices); None: EAGLE-3's low/mid/high
-    draft_vocab_size: int | None = None  # the N most frequent trained tokens (None: the whole vocabulary)
+    draft_vocab_size: int | None = None  # the N most frequent trained tokens (None: the whole vocabulary); with
+    # init_from, None keeps the saved vocabulary and a larger N extends it (extended_vocab)
     share_lm_head: bool = True  # base LM-head rows (frozen, not saved); False: a trained draft head (EAGLE-3)
 
     def __post_init__(self):
@@ -87,6 +89,39 @@ class EagleRecipeConfig:
 RecipeConfig = EagleRecipeConfig  # the name the config tests look for in every recipe
 
 
+def extended_vocab(saved: torch.Tensor, examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary of ``size`` ids (sorted) that keeps every id of ``saved`` and adds the most frequent trained
+    tokens of ``examples`` it lacks: a drafter trained further on data of another kind (code after chat) can then
+    propose that data's tokens, and proposes everything it did before."""
+    saved = saved.cpu()
+    if size == len(saved):
+        return saved
+    have = set(saved.tolist())
+    ranked = [t for t in frequent_tokens(examples, vocab_size, vocab_size).tolist() if t not in have]
+    return torch.cat([saved, torch.tensor(ranked[:size - len(saved)], dtype=torch.long)]).sort().values
+
+
+def load_extended(draft: nn.Module, saved: nn.Module) -> None:
+    """Load ``saved``'s weights into ``draft``, whose draft vocabulary may extend the saved one
+    (``extended_vocab``): a trained draft head keeps the saved rows of the ids both have, and the new ids start
+    from the base LM-head rows as a fresh drafter's do."""
+    state = saved.state_dict()
+    old_ids = state.pop("draft_vocab")
+    new_ids = draft.draft_vocab
+    if torch.equal(old_ids.cpu(), new_ids.cpu()):
+        draft.load_state_dict(saved.state_dict())
+        return
+    head = state.pop("lm_head.weight", None)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"draft_vocab", "lm_head.weight"}, (missing, unexpected)
+    if head is not None and draft.lm_head is not None:
+        column = {t: i for i, t in enumerate(old_ids.tolist())}
+        with torch.no_grad():
+            for i, t in enumerate(new_ids.tolist()):
+                if t in column:
+                    draft.lm_head.weight[i] = head[column[t]].to(draft.lm_head.weight)
+
+
 def step_positions(batch: dict, j: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, cols)`` where draft step ``j`` is trained: position ``t`` whose token ``t + j + 2`` is a trained
     (assistant) token; its teacher is the base's prediction at ``t + j + 1``."""
@@ -119,14 +154,20 @@ class EagleRecipe(T.Recipe):
         draft_vocab = None
         if cfg.init_from is not None:
             saved = from_pretrained(cfg.init_from, self.base, dtype=torch.float32)
-            config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model)
+            size = cfg.draft.draft_vocab_size or saved.config.draft_vocab_size  # null: the saved size
+            if size < saved.config.draft_vocab_size:
+                raise ValueError(f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} is smaller than the draft "
+                                 f"vocabulary of init_from {cfg.init_from} ({saved.config.draft_vocab_size}): it can "
+                                 "be kept or extended, not cut; leave the key at the saved size or larger")
+            config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model,
+                                         draft_vocab_size=size)
             aux = list(config.aux_layers)
-            draft_vocab = saved.draft_vocab if config.draft_vocab_size < vocab else None
+            draft_vocab = extended_vocab(saved.draft_vocab, self.train_examples, size, vocab) if size < vocab else None
         elif config.draft_vocab_size < vocab:
             draft_vocab = frequent_tokens(self.train_examples, config.draft_vocab_size, vocab).sort().values
         draft = EagleDraftModel(config, self.base, draft_vocab).float()
         if cfg.init_from is not None:
-            draft.load_state_dict(saved.state_dict())
+            load_extended(draft, saved)
         draft.refresh_shared()
         self.to_draft = torch.full((vocab,), -1, dtype=torch.long)
         self.to_draft[draft.draft_vocab] = torch.arange(config.draft_vocab_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -254,10 +255,11 @@ def eagle_draft(model, seed: int = 0, draft_vocab_size: int | None = None, share
 
 # ---------------------------------------------------------------- recipe runs (shared by the recipes' tests)
 
-def repetitive_conversations(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps."""
+def repetitive_conversations(path: Path, n: int, seed: int = 0, words: Sequence[str] | None = None) -> Path:
+    """``n`` ShareGPT conversations of repetitive text a tiny model can learn something about in a few steps, made
+    of ``words`` (default: eight short English words)."""
     g = torch.Generator().manual_seed(seed)
-    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
+    words = list(words or ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"])
     rows = []
     for i in range(n):
         picks = torch.randint(len(words), (6,), generator=g).tolist()

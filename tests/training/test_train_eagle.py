@@ -197,6 +197,43 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
                                                                      f"output_dir={tmp_path / 'run'}"])
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_init_from_extends_the_draft_vocabulary_and_keeps_what_it_drafted(tmp_path, share):
+    """A larger draft.draft_vocab_size with init_from keeps every saved id and adds the most frequent trained tokens
+    the saved vocabulary lacks; the kept columns score as before (a trained head keeps its rows, new rows start
+    from the base's LM head); a smaller size is refused, naming the sizes."""
+    from collections import Counter
+
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    flag = f"draft.share_lm_head={str(share).lower()}"
+    first = build(args(tmp_path, data, "optim.max_steps=3", "optim.lr=0.01", flag))
+    first.train()
+    first.save_heads(first.evaluate())
+    saved = tmp_path / "run" / "heads"
+    other = repetitive_conversations(tmp_path / "other.jsonl", 9, seed=5, words=["QUIZ", "JAVA", "#{}", "~|^", "XY"])
+    common = ["--config", str(TINY), f"output_dir={tmp_path / 'again'}", f"data.source={other}", "data.eval_samples=2",
+              "optim.max_steps=1", f"init_from={saved}", flag]
+    again = build(common + ["draft.draft_vocab_size=96"])
+    old, new = first.model.draft_vocab.tolist(), again.model.draft_vocab.tolist()
+    assert len(new) == 96 and set(old) <= set(new) and new == sorted(new)
+    counts = Counter(t for e in again.train_examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m)
+    added = set(new) - set(old)
+    left_out = set(range(again.base.config.vocab_size)) - set(new)
+    assert min(counts[t] for t in added) >= max(counts[t] for t in left_out) and any(counts[t] for t in added)
+    h = torch.randn(5, again.base.config.hidden_size)
+    with torch.no_grad():
+        before, after = first.model.logits(h), again.model.logits(h)
+    columns = [new.index(t) for t in old]
+    torch.testing.assert_close(after[:, columns], before)
+    if not share:
+        head = again.base.get_output_embeddings().weight
+        fresh = [i for i, t in enumerate(new) if t in added]
+        torch.testing.assert_close(again.model.lm_head.weight[fresh], head[[new[i] for i in fresh]])
+    assert torch.equal(build(common).model.draft_vocab, first.model.draft_vocab)  # null / same size: kept
+    with pytest.raises(ValueError, match="draft.draft_vocab_size=32 is smaller than the draft vocabulary"):
+        build(common + ["draft.draft_vocab_size=32"])
+
+
 @pytest.fixture
 def fresh_accelerator_state():
     """accelerate keeps one AcceleratorState per process and refuses another precision in it; a user's process runs
