@@ -31,7 +31,7 @@ from selfspec.training.data import collate, frequent_tokens
 class DraftConfig:
     aux_layers: list[int] | None = None  # base layers fused (output_hidden_states indices); None: EAGLE-3's low/mid/high
     draft_vocab_size: int | None = None  # the N most frequent trained tokens (None: the whole vocabulary); with
-    # init_from, None keeps the saved vocabulary and a larger N extends it (extended_vocab)
+    # init_from, a larger N than the saved one extends it (extended_vocab), anything else keeps it
     share_lm_head: bool = True  # base LM-head rows (frozen, not saved); False: a trained draft head (EAGLE-3)
 
     def __post_init__(self):
@@ -65,8 +65,9 @@ class EagleRecipeConfig:
     cache_hidden_states: bool = False  # run the base once over all data and keep its states on disk (else per batch)
     hidden_cache_dir: str | None = None  # where cached states go (None: <output_dir>/data)
     teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
-    # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (draft.* is then not
-    # used); e.g. to go on training a drafter on more data.
+    # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (of draft.*, only a
+    # draft_vocab_size larger than the saved one is used: it extends the vocabulary); e.g. to go on training a
+    # drafter on more data.
     init_from: str | None = None
     draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
     decoding: DecodingDefaults = dataclasses.field(default_factory=DecodingDefaults)
@@ -113,13 +114,15 @@ def load_extended(draft: nn.Module, saved: nn.Module) -> None:
         return
     head = state.pop("lm_head.weight", None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"draft_vocab", "lm_head.weight"}, (missing, unexpected)
+    if unexpected or not set(missing) <= {"draft_vocab", "lm_head.weight"}:
+        raise ValueError(f"init_from's weights do not fit this drafter: missing {missing}, unexpected {unexpected}")
     if head is not None and draft.lm_head is not None:
-        column = {t: i for i, t in enumerate(old_ids.tolist())}
+        column = torch.full((int(max(old_ids.max(), new_ids.max())) + 1,), -1, dtype=torch.long)
+        column[old_ids.cpu()] = torch.arange(len(old_ids))
+        source = column[new_ids.cpu()]
+        kept = (source >= 0).nonzero().flatten()
         with torch.no_grad():
-            for i, t in enumerate(new_ids.tolist()):
-                if t in column:
-                    draft.lm_head.weight[i] = head[column[t]].to(draft.lm_head.weight)
+            draft.lm_head.weight[kept.to(draft.lm_head.weight.device)] = head[source[kept]].to(draft.lm_head.weight)
 
 
 def step_positions(batch: dict, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +157,10 @@ class EagleRecipe(T.Recipe):
         draft_vocab = None
         if cfg.init_from is not None:
             saved = from_pretrained(cfg.init_from, self.base, dtype=torch.float32)
-            size = cfg.draft.draft_vocab_size or saved.config.draft_vocab_size  # null: the saved size
-            if size < saved.config.draft_vocab_size:
-                raise ValueError(f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} is smaller than the draft "
-                                 f"vocabulary of init_from {cfg.init_from} ({saved.config.draft_vocab_size}): it can "
-                                 "be kept or extended, not cut; leave the key at the saved size or larger")
+            size = max(cfg.draft.draft_vocab_size or 0, saved.config.draft_vocab_size)  # kept, or extended
+            if cfg.draft.draft_vocab_size is not None and cfg.draft.draft_vocab_size < size:
+                self.accelerator.print(f"eagle: init_from's draft vocabulary of {size} is kept (draft.draft_vocab_size="
+                                       f"{cfg.draft.draft_vocab_size}): a vocabulary can be extended, not cut")
             config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model,
                                          draft_vocab_size=size)
             aux = list(config.aux_layers)
@@ -218,37 +220,40 @@ class EagleRecipe(T.Recipe):
         """The base's distribution at every position a step is trained against, computed once per batch:
         ``(probabilities over the draft columns [b, s, draft_vocab], argmax token id [b, s])`` (zero elsewhere).
 
-        With ``indices`` (training examples), each example's per-position log-normaliser and argmax over the full
-        vocabulary are kept after its first batch (``self.teacher_stats``, a few bytes a token): from then on the
-        teacher multiplies by the draft vocabulary's rows of the LM head only, ``exp(logit - logsumexp)``, the same
-        probabilities at a sixth of the cost (8,192 of 49,152 rows here) from the second epoch on."""
+        With ``indices`` (training examples) and a reduced draft vocabulary, each example's per-position
+        log-normaliser and argmax over the full vocabulary are kept after the first batch it is in
+        (``self.teacher_stats``, 8 bytes a token, per process): for an example seen before, the teacher multiplies
+        the draft vocabulary's rows of the LM head only, ``exp(logit - logsumexp)``, the same probabilities at a
+        sixth of the cost here (8,192 of 49,152 rows); the other rows of the batch take the full softmax."""
         b, s = batch["input_ids"].shape
         device = batch["input_ids"].device
         wanted = torch.zeros(b, s, dtype=torch.bool, device=device)
         wanted[:, 1:] = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
         wanted = torch.roll(wanted, -1, dims=1)  # position t predicts token t + 1
         wanted[:, -1] = False
-        rows, cols = wanted.nonzero(as_tuple=True)
-        draft_vocab = self.accelerator.unwrap_model(self.model).config.draft_vocab_size
-        probs = torch.zeros(b, s, draft_vocab, device=device)
+        draft = self.accelerator.unwrap_model(self.model)
+        probs = torch.zeros(b, s, draft.config.draft_vocab_size, device=device)
         argmax = torch.zeros(b, s, dtype=torch.long, device=device)
-        last = batch["features"][-1][rows, cols]
         stats = self.teacher_stats
-        if indices is not None and all(i in stats for i in indices):
-            lse_full = torch.zeros(b, s, device=device)
-            for row, i in enumerate(indices):
-                lse_i, argmax_i = stats[i]
-                lse_full[row, :len(lse_i)], argmax[row, :len(argmax_i)] = lse_i.to(device), argmax_i.to(device)
-            probs[rows, cols] = self.draft_teacher(last, lse_full[rows, cols])
-            return probs, argmax
-        p, a, lse = self.teacher(last, with_lse=True)
-        probs[rows, cols], argmax[rows, cols] = p, a
-        if indices is not None:
-            lse_full = torch.zeros(b, s, device=device)
-            lse_full[rows, cols] = lse
-            for row, i in enumerate(indices):
-                n = len(self.train_examples[i]["input_ids"])
-                stats[i] = (lse_full[row, :n].cpu(), argmax[row, :n].cpu())
+        keep = indices is not None and draft.config.draft_vocab_size < draft.config.vocab_size
+        known = torch.tensor([keep and i in stats for i in (indices or [None] * b)], dtype=torch.bool, device=device)
+        if known.any():
+            lse = torch.zeros(b, s, device=device)
+            for row in known.nonzero().flatten().tolist():
+                lse_i, argmax_i = stats[indices[row]]
+                lse[row, :len(lse_i)], argmax[row, :len(argmax_i)] = lse_i.to(device), argmax_i.to(device)
+            rows, cols = (wanted & known[:, None]).nonzero(as_tuple=True)
+            probs[rows, cols] = self.draft_teacher(batch["features"][-1][rows, cols], lse[rows, cols])
+        if (~known).any():
+            rows, cols = (wanted & ~known[:, None]).nonzero(as_tuple=True)
+            p, a, norm = self.teacher(batch["features"][-1][rows, cols], with_lse=True)
+            probs[rows, cols], argmax[rows, cols] = p, a
+            if keep:
+                lse = torch.zeros(b, s, device=device)
+                lse[rows, cols] = norm
+                for row in (~known).nonzero().flatten().tolist():
+                    n = len(self.train_examples[indices[row]]["input_ids"])
+                    stats[indices[row]] = (lse[row, :n].cpu().clone(), argmax[row, :n].to(torch.int32).cpu())
         return probs, argmax
 
     def counts(self, batch: dict) -> torch.Tensor:

@@ -76,13 +76,25 @@ def test_teacher_from_kept_log_normalisers_equals_the_full_softmax(tmp_path):
                                    rtol=1e-5, atol=1e-7)
         assert torch.equal(again["teacher_argmax"][new_row, :n], first["teacher_argmax"][old_row, :n])
     assert not again["teacher_probs"][again["attention_mask"] == 0].any()
-    mixed = r.make_batch([0, 5])  # one example not seen yet: the full softmax for the whole batch
+    rows_through_head = []
+    handle = head.register_forward_hook(lambda module, inputs, output: rows_through_head.append(inputs[0].shape[0]))
+    try:
+        mixed = r.make_batch([0, 5])  # example 5 is new: the full softmax for its row only
+    finally:
+        handle.remove()
     assert 5 in r.teacher_stats
+    assert sum(rows_through_head) == sum(r.train_examples[5]["loss_mask"][1:])  # its positions whose next is trained
     n = int(first["attention_mask"][0].sum())
     torch.testing.assert_close(mixed["teacher_probs"][0, :n], first["teacher_probs"][0, :n], rtol=1e-5, atol=1e-7)
+    alone = r.make_batch([5])
+    m = int(alone["attention_mask"][0].sum())
+    torch.testing.assert_close(mixed["teacher_probs"][1, :m], alone["teacher_probs"][0, :m], rtol=1e-5, atol=1e-7)
     denominators = r.counts(again)
     torch.testing.assert_close(r.loss(again, denominators)[1],
                                r.loss(r.make_batch([2, 0, 1]), denominators)[1])
+    full = build(args(tmp_path / "full", tmp_path / "d.jsonl", "optim.max_steps=1", "draft.draft_vocab_size=null"))
+    full.make_batch([0, 1])
+    assert not full.teacher_stats  # the whole vocabulary: nothing to save, nothing kept
 
 
 def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
@@ -198,10 +210,10 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_init_from_extends_the_draft_vocabulary_and_keeps_what_it_drafted(tmp_path, share):
+def test_init_from_extends_the_draft_vocabulary_and_keeps_what_it_drafted(tmp_path, share, capsys):
     """A larger draft.draft_vocab_size with init_from keeps every saved id and adds the most frequent trained tokens
     the saved vocabulary lacks; the kept columns score as before (a trained head keeps its rows, new rows start
-    from the base's LM head); a smaller size is refused, naming the sizes."""
+    from the base's LM head); a smaller size keeps the saved vocabulary and says so."""
     from collections import Counter
 
     data = repetitive_conversations(tmp_path / "d.jsonl", 12)
@@ -229,9 +241,10 @@ def test_init_from_extends_the_draft_vocabulary_and_keeps_what_it_drafted(tmp_pa
         head = again.base.get_output_embeddings().weight
         fresh = [i for i, t in enumerate(new) if t in added]
         torch.testing.assert_close(again.model.lm_head.weight[fresh], head[[new[i] for i in fresh]])
-    assert torch.equal(build(common).model.draft_vocab, first.model.draft_vocab)  # null / same size: kept
-    with pytest.raises(ValueError, match="draft.draft_vocab_size=32 is smaller than the draft vocabulary"):
-        build(common + ["draft.draft_vocab_size=32"])
+    assert torch.equal(build(common).model.draft_vocab, first.model.draft_vocab)  # the same size: kept
+    capsys.readouterr()
+    assert torch.equal(build(common + ["draft.draft_vocab_size=32"]).model.draft_vocab, first.model.draft_vocab)
+    assert "draft vocabulary of 64 is kept (draft.draft_vocab_size=32)" in capsys.readouterr().out
 
 
 @pytest.fixture
