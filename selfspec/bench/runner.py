@@ -43,9 +43,10 @@ def synthetic_prompts(vocab_size: int, count: int, *, seed: int = 0, min_len: in
 
 
 def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_size: int, seed: int = 0,
-                 synthetic: bool = False) -> list[Prompt]:
-    """Prompts from a Spec-Bench JSONL file (first turn, chat template); without a file, for a model without a
-    tokenizer or with ``synthetic`` (tiny test models: ``is_test_model``), ``limit or 4`` prompts of random ids.
+                 synthetic: bool = False, spread: bool = False) -> list[Prompt]:
+    """Prompts from a Spec-Bench JSONL file (first turn, chat template; ``spread``: ``limit`` of them evenly spaced
+    over the file, see ``read_prompts``); without a file, for a model without a tokenizer or with ``synthetic`` (tiny
+    test models: ``is_test_model``), ``limit or 4`` prompts of random ids.
 
     Raises:
         ValueError: no prompts file for a real model.
@@ -54,7 +55,7 @@ def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_s
         if synthetic or tokenizer is None:
             return synthetic_prompts(vocab_size, limit or 4, seed=seed)
         raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
-    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"])) for p in read_prompts(path, limit)]
+    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"])) for p in read_prompts(path, limit, spread=spread)]
 
 
 def eos_of(model: Any, tokenizer: Any) -> int | list[int] | None:

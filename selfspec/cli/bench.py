@@ -28,6 +28,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alias, hub id or path; tiny:ARCH for a random tiny model (synthetic prompts)")
     parser.add_argument("--prompts", help="Spec-Bench / MT-bench JSONL file (first turn, chat template)")
     parser.add_argument("--limit", type=positive_int, default=10, help="number of prompts (default 10)")
+    parser.add_argument("--spread", action="store_true",
+                        help="take the --limit prompts evenly spaced over the file, not the first ones (MT-bench "
+                             "lists its categories in blocks of ten)")
     parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and synthetic prompts")
     add_backend_argument(parser)
@@ -87,14 +90,15 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     backend = apply_backend(model, args)
     prompts = load_prompts(tokenizer, args.prompts, args.limit, vocab_size=model.config.vocab_size, seed=args.seed,
-                           synthetic=is_test_model(args.model))
+                           synthetic=is_test_model(args.model), spread=args.spread)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer),
                            SamplingParams(args.temperature, args.top_k, args.top_p), args.seed)
     if args.batch_sizes:
         return _run_batched(args, model, prompts, specs, settings, backend)
     bench_run = run_benchmark(model, prompts, methods, settings, warmup_tokens=args.warmup_tokens,
                               progress=not args.quiet)
-    config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "num_prompts": len(prompts),
+    config = {"model": args.model, "prompts": args.prompts, "limit": args.limit, "spread": args.spread,
+              "num_prompts": len(prompts),
               "methods": list(bench_run.generations), **settings.to_dict(),
               "warmup_tokens": args.warmup_tokens, "linear_backend": backend, "attention": attention_of(model),
               "draft_weights": draft_weights(), **environment()}

@@ -130,7 +130,7 @@ def register(subparsers) -> None:
 def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
     if args.prompts or is_test_model(args.model):
         return load_prompts(tokenizer, args.prompts, args.limit or 6, vocab_size=model.config.vocab_size,
-                            seed=args.seed, synthetic=True)
+                            seed=args.seed, synthetic=True, spread=args.spread)
     chosen = BUILTIN_PROMPTS[-(args.limit or 6):]
     return [Prompt(f"builtin-{i}", encode_prompt(tokenizer, text)) for i, text in enumerate(chosen)]
 
@@ -198,8 +198,8 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
                                   "tau": r.tau, "tree_size": r.tree_size, "verify_s": r.verify_s,
                                   "draft_s": r.draft_s, "predicted_tokens_per_s": r.tokens_per_s} for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
-                  "prompts": args.prompts or "builtin", "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-                  "overhead_ms": args.overhead_ms, "repeats": args.repeats}
+                  "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
+                  "max_new_tokens": args.max_new_tokens, "overhead_ms": args.overhead_ms, "repeats": args.repeats}
         path = save_setting(model, args.heads, best.setting, report)
         print(f"saved '{best.setting.label}' into {path} (details in calibration.json)")
     return 0
@@ -238,7 +238,7 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                                   "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step}
                                  for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
-                  "cpu": cpu_model(), "prompts": args.prompts or "builtin", "limit": len(prompts),
+                  "cpu": cpu_model(), "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
         path = search.save(model, args.heads, best.options, report)
         print(f"saved policy {best.label} into {path} (details in calibration.json)")

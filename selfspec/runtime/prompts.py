@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read a Spec-Bench style JSONL file: one object a line with ``turns`` (first turn is used) or ``prompt``.
+def read_prompts(path: str | Path, limit: int | None = None, *, spread: bool = False) -> list[dict]:
+    """Read a Spec-Bench style JSONL file: one object a line with ``turns`` (first turn is used) or ``prompt``;
+    the first ``limit`` prompts, or with ``spread`` ``limit`` prompts evenly spaced over the whole file (MT-bench
+    lists its categories in blocks of ten: the first six are all writing, six spread ones cover every category).
 
     Returns a list of ``{"id", "category", "prompt"}``.
 
@@ -35,10 +37,12 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
         else:
             raise ValueError(f"{path}:{lineno}: expected a 'turns' list (Spec-Bench format) or a 'prompt' string")
         out.append({"id": obj.get("question_id", obj.get("id", lineno)), "category": obj.get("category"), "prompt": text})
-        if limit is not None and len(out) >= limit:
+        if limit is not None and len(out) >= limit and not spread:
             break
     if not out:
         raise ValueError(f"{path} holds no prompts")
+    if spread and limit is not None and limit < len(out):
+        out = [out[i * len(out) // limit] for i in range(limit)]
     return out
 
 

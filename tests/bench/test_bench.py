@@ -224,3 +224,24 @@ def test_batched_benchmark_reports_each_batch_size_and_checks_every_row(tmp_path
     rc = main(["bench", "--model", "tiny:llama", "--methods", "vanilla,hf-pld", "--batch-sizes", "2", "--limit", "2",
                "--out", str(out), "--quiet"])
     assert rc == 2 and "'hf-pld' cannot decode batches" in capsys.readouterr().err
+
+
+def test_spread_takes_prompts_from_every_block_of_the_file(tmp_path):
+    """MT-bench lists its categories in blocks of ten: --spread takes --limit prompts evenly spaced over the file,
+    the default the first ones; the bench command records which."""
+    from selfspec.runtime.prompts import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    categories = ["writing", "roleplay", "reasoning", "math"]
+    path.write_text("".join(json.dumps({"question_id": 81 + i, "category": categories[i // 10], "turns": [f"q{i}"]})
+                            + "\n" for i in range(40)))
+    first = read_prompts(path, 4)
+    assert [p["id"] for p in first] == [81, 82, 83, 84] and {p["category"] for p in first} == {"writing"}
+    spread = read_prompts(path, 4, spread=True)
+    assert [p["id"] for p in spread] == [81, 91, 101, 111] and [p["category"] for p in spread] == categories
+    assert [p["id"] for p in read_prompts(path, 6, spread=True)] == [81, 87, 94, 101, 107, 114]
+    assert len(read_prompts(path, 99, spread=True)) == 40 and len(read_prompts(path, None, spread=True)) == 40
+    out = tmp_path / "out"
+    assert main(["bench", "--model", "tiny:llama", "--methods", "vanilla", "--limit", "2", "--max-new-tokens", "4",
+                 "--out", str(out), "--quiet", "--spread"]) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["spread"] is True
