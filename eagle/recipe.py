@@ -107,11 +107,11 @@ def load_extended(draft: nn.Module, saved: nn.Module) -> None:
     (``extended_vocab``): a trained draft head keeps the saved rows of the ids both have, and the new ids start
     from the base LM-head rows as a fresh drafter's do."""
     state = saved.state_dict()
-    old_ids = state.pop("draft_vocab")
     new_ids = draft.draft_vocab
-    if torch.equal(old_ids.cpu(), new_ids.cpu()):
-        draft.load_state_dict(saved.state_dict())
+    if torch.equal(state["draft_vocab"].cpu(), new_ids.cpu()):
+        draft.load_state_dict(state)
         return
+    old_ids = state.pop("draft_vocab")
     head = state.pop("lm_head.weight", None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or not set(missing) <= {"draft_vocab", "lm_head.weight"}:
