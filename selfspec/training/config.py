@@ -168,7 +168,8 @@ def flat_config(config) -> dict:
 
 
 #: keys a resumed run may change without --allow-changed: budgets, lengths, logging and where things are written
-RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "hidden_cache_layers", "optim.max_minutes", "optim.max_steps", "optim.mixed_precision",
+RESUMABLE_CHANGES = ("resume", "num_threads", "heads_dir", "hidden_cache_dir", "hidden_cache_layers",
+                     "hidden_cache_dtype", "optim.max_minutes", "optim.max_steps", "optim.mixed_precision",
                      "optim.epochs", "logging.report_to", "logging.project", "logging.log_every",
                      "logging.save_every", "logging.keep_last", "logging.eval_every")
 

@@ -124,7 +124,8 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
                          pad_id: int = 0, batch_size: int = 8, accelerator: Any = None,
                          progress: Callable[[Any], Any] | None = None,
                          also: Sequence[int] = (), chunk_examples: int = 512,
-                         chunk_bytes: int = 1 << 30) -> dict[int, list[torch.Tensor]]:
+                         chunk_bytes: int = 1 << 30,
+                         dtype: torch.dtype | None = None) -> dict[int, list[torch.Tensor]]:
     """``{layer: [one [len, hidden] tensor per example]}``: the base's states of ``layers``, computed (by the main
     process) only for the examples whose states are not yet stored under ``directory``, then read back by every
     process.
@@ -139,6 +140,8 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
     ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
     on other layers of the same data (an exit-layer sweep) then skip the pass.
+    ``dtype``: the states are returned in it (read one at a time, so the float32 copies never all sit in memory);
+    the files stay float32. None: as stored.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -203,6 +206,6 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
         for path, indices in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for i in indices:
-                    tensors[i] = f.get_tensor(keys[i])
+                    tensors[i] = f.get_tensor(keys[i]) if dtype is None else f.get_tensor(keys[i]).to(dtype)
         result[layer] = tensors
     return result
