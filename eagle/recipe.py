@@ -180,13 +180,10 @@ class EagleRecipe(T.Recipe):
         draft = EagleDraftModel(config, self.base, draft_vocab).float()
         if cfg.init_from is not None:
             load_extended(draft, saved)
-        draft.refresh_shared()
-        self.to_draft = torch.full((vocab,), -1, dtype=torch.long)
-        self.to_draft[draft.draft_vocab] = torch.arange(config.draft_vocab_size)
         self.aux_layers = aux
         self.hidden_cache = self._hidden_cache() if cfg.cache_hidden_states else None
         self.teacher_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see batch_teacher
-        self._draft_head = None
+        self._use_draft_vocab(draft)
         self.setup_optimizer(draft)
         self.setup_run()
         trainable, total = T.count_parameters(draft)
@@ -195,6 +192,20 @@ class EagleRecipe(T.Recipe):
                                f"({tokens:,} tokens), {self.total_steps} steps, {self.accelerator.num_processes} "
                                f"processes, {trainable:,} trainable parameters, layers {aux}, "
                                f"{cfg.ttt_steps} TTT steps")
+
+    def _use_draft_vocab(self, draft: EagleDraftModel) -> None:
+        """Everything derived from ``draft.draft_vocab``: the shared LM-head rows, the token -> draft column map
+        and the teacher's draft rows. Again after a checkpoint is loaded, whose vocabulary wins over the one just
+        counted on (possibly changed, ``--allow-changed data.*``) data."""
+        draft.refresh_shared()
+        self.to_draft = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        self.to_draft[draft.draft_vocab.cpu()] = torch.arange(draft.config.draft_vocab_size)
+        self._draft_head = None
+
+    def setup_run(self):
+        super().setup_run()
+        if self.step:  # resumed
+            self._use_draft_vocab(self.accelerator.unwrap_model(self.model))
 
     def _hidden_cache(self) -> dict[int, list[torch.Tensor]]:
         directory = self.cfg.hidden_cache_dir or self.output_dir / "data"

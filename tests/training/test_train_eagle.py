@@ -202,6 +202,29 @@ def test_resume_refuses_a_changed_recipe_naming_the_keys_and_says_when_there_is_
     assert "nothing to resume, starting from step 0" in capsys.readouterr().out
 
 
+def test_a_resume_on_changed_data_keeps_the_checkpoints_draft_vocabulary_and_what_derives_from_it(tmp_path):
+    first = repetitive_conversations(tmp_path / "a.jsonl", 10)
+    other = repetitive_conversations(tmp_path / "b.jsonl", 10, seed=1, words=["zebra", "quiz", "jumps", "vex"])
+    base = args(tmp_path, first, "optim.max_steps=2", "logging.save_every=1", "draft.draft_vocab_size=24")
+    eagle_recipe.main(base)
+    saved = load_file(str(tmp_path / "run/heads/model.safetensors"))["draft_vocab"]
+    fresh = build(args(tmp_path, other, "draft.draft_vocab_size=24"))
+    assert not torch.equal(fresh.model.draft_vocab, saved)  # the other data counts other tokens
+    r = eagle_recipe.EagleRecipe.from_command_line(
+        [*args(tmp_path, other, "optim.max_steps=3", "logging.save_every=1", "draft.draft_vocab_size=24"),
+         "--resume", "--allow-changed", "data.source"], "test")
+    r.setup()
+    assert r.step > 0 and torch.equal(r.model.draft_vocab, saved)
+    head = r.base.get_output_embeddings().weight
+    assert torch.equal(r.model.shared_head.weight, head[saved])
+    assert torch.equal(r.to_draft[saved], torch.arange(24)) and int((r.to_draft >= 0).sum()) == 24
+    batch = r.make_batch([0, 1])
+    last = batch["features"][-1].flatten(0, 1)
+    lse = torch.logsumexp(torch.nn.functional.linear(last, head).float(), dim=-1)
+    torch.testing.assert_close(r.draft_teacher(last, lse),
+                               torch.softmax(torch.nn.functional.linear(last, head).float(), -1)[:, saved])
+
+
 def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
     """Started from a saved drafter (another data mix, different frequent tokens), a run keeps its layers, draft
     vocabulary and weights: with lr 0 it saves the same drafter, and training goes on from its loss."""
