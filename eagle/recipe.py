@@ -68,8 +68,10 @@ class EagleRecipeConfig:
     loss: str = "soft"  # soft: cross-entropy to the base's distribution | hard: to the base's argmax
     cache_hidden_states: bool = False  # run the base once over all data and keep its states on disk (else per batch)
     hidden_cache_dir: str | None = None  # where cached states go (None: <output_dir>/data)
-    # the dtype cached states are held in memory in (the files stay float32): float16 halves the memory of a large
-    # cache (4 layers x hidden x 4 bytes a token in float32: ~2.9 GB per 1,000 SmolLM2 conversations)
+    # the dtype cached states are held in memory in (the files stay float32). bfloat16 or float16 halve a large
+    # cache (4 layers x hidden x 4 bytes a token in float32: ~2.9 GB per 1,000 SmolLM2 conversations); bfloat16 keeps
+    # float32's range (residual streams reach 24,891 in SmolLM2's layer 15; float16 ends at 65,504, and an overflow
+    # is refused) and loses nothing under optim.mixed_precision=bf16, whose matmuls round their inputs to it anyway
     hidden_cache_dtype: str = "float32"
     teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
     # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (of draft.*, only a
@@ -202,10 +204,8 @@ class EagleRecipe(T.Recipe):
         self.to_draft[draft.draft_vocab.cpu()] = torch.arange(draft.config.draft_vocab_size)
         self._draft_head = None
 
-    def setup_run(self):
-        super().setup_run()
-        if self.step:  # resumed
-            self._use_draft_vocab(self.accelerator.unwrap_model(self.model))
+    def after_resume(self):
+        self._use_draft_vocab(self.accelerator.unwrap_model(self.model))
 
     def _hidden_cache(self) -> dict[int, list[torch.Tensor]]:
         directory = self.cfg.hidden_cache_dir or self.output_dir / "data"

@@ -123,6 +123,20 @@ class MedusaRecipe(T.Recipe):
         return self.cfg.method
 
     # ------------------------------------------------------------ setup
+    def _use_draft_vocab(self, heads: MedusaHeads) -> None:
+        """The LM-head rows and token -> column map of ``heads.draft_vocab`` that the loss trains through. Again
+        after a checkpoint is loaded: its vocabulary wins over the one counted on (possibly changed) data."""
+        self.draft_rows = self.to_draft = None
+        if heads.draft_vocab is not None and self.cfg.loss_vocab != "full":
+            # The heads can only ever propose draft-vocabulary tokens: train them on those targets, through those
+            # LM-head rows only (draft_vocab_size / vocab_size of the loss's cost; the LM head is frozen).
+            self.draft_rows = heads.shared_lm_head.weight.detach()[heads.draft_vocab].contiguous()
+            self.to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
+            self.to_draft[heads.draft_vocab.cpu()] = torch.arange(heads.draft_vocab.numel())
+
+    def after_resume(self):
+        self._use_draft_vocab(self.accelerator.unwrap_model(self.model).heads)
+
     def setup(self):
         cfg = self.cfg
         if cfg.num_threads:
@@ -132,13 +146,7 @@ class MedusaRecipe(T.Recipe):
         if heads.draft_vocab is not None:
             heads.set_draft_vocab(frequent_tokens(self.train_examples, heads.config.draft_vocab_size,
                                                   heads.config.vocab_size))
-        self.draft_rows = self.to_draft = None
-        if heads.draft_vocab is not None and cfg.loss_vocab != "full":
-            # The heads can only ever propose draft-vocabulary tokens: train them on those targets, through those
-            # LM-head rows only (draft_vocab_size / vocab_size of the loss's cost; the LM head is frozen).
-            self.draft_rows = heads.shared_lm_head.weight.detach()[heads.draft_vocab].contiguous()
-            self.to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
-            self.to_draft[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel())
+        self._use_draft_vocab(heads)
         backbone = self.base.get_decoder()
         if cfg.method == "medusa2":
             self.add_lora()  # the backbone now runs the adapters

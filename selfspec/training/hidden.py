@@ -141,7 +141,7 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
     on other layers of the same data (an exit-layer sweep) then skip the pass.
     ``dtype``: the states are returned in it (read one at a time, so the float32 copies never all sit in memory);
-    the files stay float32. None: as stored.
+    the files stay float32. None: as stored. A state that overflows it (float16 above 65504) raises ValueError.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -206,6 +206,13 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
         for path, indices in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for i in indices:
-                    tensors[i] = f.get_tensor(keys[i]) if dtype is None else f.get_tensor(keys[i]).to(dtype)
+                    state = f.get_tensor(keys[i])
+                    if dtype is not None:
+                        state = state.to(dtype)
+                        if not torch.isfinite(state).all():
+                            raise ValueError(f"hidden-state cache {directory}: layer {layer}'s states overflow "
+                                             f"{dtype} (largest magnitude {float(f.get_tensor(keys[i]).abs().max()):g})"
+                                             "; hold them in bfloat16 (float32's range) or float32")
+                    tensors[i] = state
         result[layer] = tensors
     return result

@@ -133,10 +133,15 @@ class Recipe:
                     C.check_resume_config(saved, C.config_to_dict(cfg), self.allow_changed)
                 self.step = checkpoints.load_checkpoint(acc, ckpt)["step"]
                 acc.print(f"resumed from {ckpt} (step {self.step})")
+                self.after_resume()
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(C.config_to_dict(cfg), indent=2))
         acc.init_trackers(cfg.logging.project, config=C.flat_config(cfg))
+
+    def after_resume(self):
+        """Called once a checkpoint's state is loaded: rebuild what ``setup`` derived from state the checkpoint
+        replaced (e.g. a draft vocabulary counted on data that ``--allow-changed data.*`` let change)."""
 
     # ------------------------------------------------------------ per-recipe parts of a step
     def make_batch(self, indices: list[int]) -> dict:

@@ -153,3 +153,18 @@ def test_a_cache_of_the_first_format_is_converted_and_reused(tmp_path, monkeypat
     # Keyed by example now: another order, or a subset, is read back too.
     states = T.cached_hidden_states(model, examples[3:] + examples[:2], [-1], tmp_path)
     assert sum(rows) == 0 and torch.equal(states[-1][0], legacy["3"])
+
+
+def test_states_can_be_held_in_a_narrower_dtype_and_an_overflow_is_refused(tmp_path):
+    model = tiny_model("llama")
+    examples = _examples(4)
+    full = T.cached_hidden_states(model, examples, [1, -1], tmp_path, batch_size=2)
+    half = T.cached_hidden_states(model, examples, [1, -1], tmp_path, batch_size=2, dtype=torch.bfloat16)
+    for layer in (1, -1):
+        assert all(torch.equal(a.bfloat16(), b) for a, b in zip(full[layer], half[layer]))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e6)  # a residual stream beyond float16's 65504
+    loud = T.cached_hidden_states(model, examples, [1], tmp_path / "loud", batch_size=2, dtype=torch.bfloat16)
+    assert max(float(t.float().abs().max()) for t in loud[1]) > 65504
+    with pytest.raises(ValueError, match="overflow torch.float16 .*hold them in bfloat16"):
+        T.cached_hidden_states(model, examples, [1], tmp_path / "loud", batch_size=2, dtype=torch.float16)

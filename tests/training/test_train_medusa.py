@@ -185,6 +185,24 @@ def test_draft_vocabulary_loss_trains_on_its_own_rows(recipe, tmp_path):
         run_recipe(recipe, args(tmp_path, data, "loss_vocab=draft", f"output_dir={tmp_path / 'bad'}"))
 
 
+def test_a_resume_on_changed_data_trains_through_the_checkpoints_draft_vocabulary(recipe, tmp_path):
+    first = repetitive_conversations(tmp_path / "a.jsonl", 8)
+    other = repetitive_conversations(tmp_path / "b.jsonl", 8, seed=1, words=["zebra", "quiz", "jumps", "vex"])
+    vocab = "heads.draft_vocab_size=16"
+    recipe.main(args(tmp_path, first, vocab, "optim.max_steps=2", "logging.save_every=1"))
+    saved = load_file(str(tmp_path / "run/heads/model.safetensors"))["draft_vocab"]
+    r = recipe.MedusaRecipe.from_command_line(
+        [*args(tmp_path, other, vocab, "optim.max_steps=3", "logging.save_every=1"),
+         "--resume", "--allow-changed", "data.source"], "test")
+    r.setup()
+    heads = r.model.heads
+    assert r.step > 0 and torch.equal(heads.draft_vocab, saved)
+    torch.testing.assert_close(r.draft_rows, heads.shared_lm_head.weight[saved])
+    assert torch.equal(r.to_draft[saved], torch.arange(16)) and int((r.to_draft >= 0).sum()) == 16
+    fresh = run_recipe(recipe, args(tmp_path, other, vocab, "optim.max_steps=1", f"output_dir={tmp_path / 'fresh'}"))
+    assert not torch.equal(fresh.model.heads.draft_vocab, saved)  # the other data counts other tokens
+
+
 def assert_lossless_tiny_llama(recipe, heads_dir):
     """Saved heads decode the tiny Llama exactly as its own greedy ``generate``; returns the drafter."""
     import decoding
