@@ -68,10 +68,11 @@ class EagleRecipeConfig:
     loss: str = "soft"  # soft: cross-entropy to the base's distribution | hard: to the base's argmax
     cache_hidden_states: bool = False  # run the base once over all data and keep its states on disk (else per batch)
     hidden_cache_dir: str | None = None  # where cached states go (None: <output_dir>/data)
-    # the dtype cached states are held in memory in (the files stay float32). bfloat16 or float16 halve a large
-    # cache (4 layers x hidden x 4 bytes a token in float32: ~2.9 GB per 1,000 SmolLM2 conversations); bfloat16 keeps
-    # float32's range (residual streams reach 24,891 in SmolLM2's layer 15; float16 ends at 65,504, and an overflow
-    # is refused) and loses nothing under optim.mixed_precision=bf16, whose matmuls round their inputs to it anyway
+    # the dtype the fused layers' cached states are held in memory in (the files stay float32; the teacher's last
+    # state stays float32). bfloat16 or float16 save 3/8 of a large cache (4 layers x hidden x 4 bytes a token in
+    # float32: ~2.9 GB per 1,000 SmolLM2 conversations). bfloat16 keeps float32's range (SmolLM2's layer-15 residual
+    # stream reaches 24,891; float16 ends at 65,504, and an overflow is refused) and, under
+    # optim.mixed_precision=bf16, changes nothing: the fc's autocast rounds exactly these inputs to bfloat16 anyway
     hidden_cache_dtype: str = "float32"
     teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
     # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (of draft.*, only a
@@ -211,7 +212,8 @@ class EagleRecipe(T.Recipe):
         directory = self.cfg.hidden_cache_dir or self.output_dir / "data"
         return T.cached_hidden_states(self.base, self.train_examples, self.aux_layers + [-1], directory,
                                       pad_id=self.pad_id, accelerator=self.accelerator,
-                                      dtype=CACHE_DTYPES[self.cfg.hidden_cache_dtype],
+                                      dtype={layer: CACHE_DTYPES[self.cfg.hidden_cache_dtype]
+                                             for layer in self.aux_layers},
                                       progress=lambda it: tqdm(it, desc="caching hidden states"))
 
     # ------------------------------------------------------------ batches and loss

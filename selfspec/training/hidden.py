@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -125,7 +125,8 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
                          progress: Callable[[Any], Any] | None = None,
                          also: Sequence[int] = (), chunk_examples: int = 512,
                          chunk_bytes: int = 1 << 30,
-                         dtype: torch.dtype | None = None) -> dict[int, list[torch.Tensor]]:
+                         dtype: torch.dtype | Mapping[int, torch.dtype | None] | None = None,
+                         ) -> dict[int, list[torch.Tensor]]:
     """``{layer: [one [len, hidden] tensor per example]}``: the base's states of ``layers``, computed (by the main
     process) only for the examples whose states are not yet stored under ``directory``, then read back by every
     process.
@@ -140,8 +141,9 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
     ``progress``: wraps the batch iterator (e.g. ``tqdm``) while computing.
     ``also``: more layers to store in the same pass when one has to run (not returned): recipes that will train
     on other layers of the same data (an exit-layer sweep) then skip the pass.
-    ``dtype``: the states are returned in it (read one at a time, so the float32 copies never all sit in memory);
-    the files stay float32. None: as stored. A state that overflows it (float16 above 65504) raises ValueError.
+    ``dtype``: the states are returned in it, or ``{layer: dtype}`` (read one at a time, so the float32 copies never
+    all sit in memory); the files stay float32. None (or a layer not in the mapping): as stored. A state that
+    overflows it (float16 above 65504) raises ValueError.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -194,6 +196,7 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
         accelerator.wait_for_everyone()
     result = {}
     for layer in layers:
+        held_as = dtype.get(layer) if isinstance(dtype, Mapping) else dtype
         where = _stored_keys(directory, fingerprint, layer)
         absent = [k for k in keys if k not in where]
         if absent:
@@ -207,11 +210,11 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
             with safe_open(str(path), framework="pt") as f:
                 for i in indices:
                     state = f.get_tensor(keys[i])
-                    if dtype is not None:
-                        state = state.to(dtype)
+                    if held_as is not None:
+                        state = state.to(held_as)
                         if not torch.isfinite(state).all():
                             raise ValueError(f"hidden-state cache {directory}: layer {layer}'s states overflow "
-                                             f"{dtype} (largest magnitude {float(f.get_tensor(keys[i]).abs().max()):g})"
+                                             f"{held_as} (largest magnitude {float(f.get_tensor(keys[i]).abs().max()):g})"
                                              "; hold them in bfloat16 (float32's range) or float32")
                     tensors[i] = state
         result[layer] = tensors

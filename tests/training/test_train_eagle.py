@@ -131,21 +131,25 @@ def test_cached_features_give_the_same_loss_as_running_the_base(tmp_path):
     assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5)
 
 
-def test_a_float16_cache_holds_the_same_states_in_half_the_memory(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_narrower_cache_holds_the_fused_layers_rounded_and_the_teachers_state_exact(tmp_path, dtype):
     data = repetitive_conversations(tmp_path / "d.jsonl", 8)
     full = build(args(tmp_path, data, "optim.max_steps=1", "cache_hidden_states=true",
                       f"hidden_cache_dir={tmp_path / 'cache'}"))
     half = build(args(tmp_path, data, "optim.max_steps=1", "cache_hidden_states=true",
-                      f"hidden_cache_dir={tmp_path / 'cache'}", "hidden_cache_dtype=float16"))
+                      f"hidden_cache_dir={tmp_path / 'cache'}", f"hidden_cache_dtype={dtype}"))
+    narrow = getattr(torch, dtype)
     for layer, states in half.hidden_cache.items():
-        assert all(t.dtype == torch.float16 for t in states)
+        held = narrow if layer in half.aux_layers else torch.float32  # -1, the teacher's, stays float32
         for a, b in zip(full.hidden_cache[layer], states):
-            assert a.dtype == torch.float32 and torch.equal(a.half(), b)
-    # the batches the model sees are float32 again, the stored states rounded to float16
+            assert a.dtype == torch.float32 and b.dtype == held and torch.equal(a.to(held), b)
+    # the batches the model sees are float32 again, the fused states rounded, the teacher the same
     fb, hb = full.make_batch([1, 2]), half.make_batch([1, 2])
     for layer in fb["features"]:
         assert hb["features"][layer].dtype == torch.float32
-        torch.testing.assert_close(hb["features"][layer], fb["features"][layer].half().float(), rtol=0, atol=0)
+        expected = fb["features"][layer].to(narrow).float() if layer in half.aux_layers else fb["features"][layer]
+        torch.testing.assert_close(hb["features"][layer], expected, rtol=0, atol=0)
+    assert torch.equal(fb["teacher_probs"], hb["teacher_probs"])
     with pytest.raises(ValueError, match="hidden_cache_dtype must be one of float32, bfloat16, float16"):
         build(args(tmp_path, data, "hidden_cache_dtype=fp8"))
 
