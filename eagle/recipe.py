@@ -24,7 +24,7 @@ from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, from_p
 from selfspec import training as T
 from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.layers import num_decoder_layers
-from selfspec.training.data import collate, frequent_tokens
+from selfspec.training.data import collate, frequent_tokens, token_columns
 
 
 @dataclasses.dataclass
@@ -130,9 +130,7 @@ def load_extended(draft: nn.Module, saved: nn.Module) -> None:
     if unexpected or not set(missing) <= {"draft_vocab", "lm_head.weight"}:
         raise ValueError(f"init_from's weights do not fit this drafter: missing {missing}, unexpected {unexpected}")
     if head is not None and draft.lm_head is not None:
-        column = torch.full((int(max(old_ids.max(), new_ids.max())) + 1,), -1, dtype=torch.long)
-        column[old_ids.cpu()] = torch.arange(len(old_ids))
-        source = column[new_ids.cpu()]
+        source = token_columns(old_ids, int(max(old_ids.max(), new_ids.max())) + 1)[new_ids.cpu()]
         kept = (source >= 0).nonzero().flatten()
         with torch.no_grad():
             draft.lm_head.weight[kept.to(draft.lm_head.weight.device)] = head[source[kept]].to(draft.lm_head.weight)
@@ -201,8 +199,7 @@ class EagleRecipe(T.Recipe):
         and the teacher's draft rows. Again after a checkpoint is loaded, whose vocabulary wins over the one just
         counted on (possibly changed, ``--allow-changed data.*``) data."""
         draft.refresh_shared()
-        self.to_draft = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-        self.to_draft[draft.draft_vocab.cpu()] = torch.arange(draft.config.draft_vocab_size)
+        self.to_draft = token_columns(draft.draft_vocab, draft.config.vocab_size)
         self._draft_head = None
 
     def after_resume(self):

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from medusa.heads import MedusaHeads, path_tokens
 from medusa.trees import default_tree
 from selfspec import training as T
-from selfspec.training.data import collate, frequent_tokens
+from selfspec.training.data import collate, frequent_tokens, token_columns
 
 HEAD_ACCURACY_TOP_K = 10  # ranks measured per head; tree calibration reads them
 
@@ -131,8 +131,7 @@ class MedusaRecipe(T.Recipe):
             # The heads can only ever propose draft-vocabulary tokens: train them on those targets, through those
             # LM-head rows only (draft_vocab_size / vocab_size of the loss's cost; the LM head is frozen).
             self.draft_rows = heads.shared_lm_head.weight.detach()[heads.draft_vocab].contiguous()
-            self.to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
-            self.to_draft[heads.draft_vocab.cpu()] = torch.arange(heads.draft_vocab.numel())
+            self.to_draft = token_columns(heads.draft_vocab, heads.config.vocab_size)
 
     def after_resume(self):
         self._use_draft_vocab(self.accelerator.unwrap_model(self.model).heads)
@@ -263,8 +262,7 @@ class MedusaRecipe(T.Recipe):
         totals, base_hits, base_total = torch.zeros(k_heads), 0, 0
         heads = unwrapped.heads
         if heads.draft_vocab is not None:  # measure what the drafter proposes: ranks within the draft vocabulary
-            to_draft = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
-            to_draft[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel())
+            to_draft = token_columns(heads.draft_vocab, heads.config.vocab_size)
         covered = 0
         for start in range(0, len(self.eval_examples), self.cfg.optim.batch_size):
             batch = collate(self.eval_examples[start:start + self.cfg.optim.batch_size], self.pad_id)

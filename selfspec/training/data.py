@@ -241,6 +241,14 @@ def tokenize_records(records, tokenizer, *, fmt: str = "auto", max_length: int =
     return out
 
 
+def token_columns(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]``: each token id's column in the reduced vocabulary ``ids`` (its position there), -1 for an id
+    outside it."""
+    columns = torch.full((vocab_size,), -1, dtype=torch.long)
+    columns[ids.cpu()] = torch.arange(ids.numel())
+    return columns
+
+
 def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The ``size`` most frequent trained tokens (``loss_mask`` set) of tokenized ``examples``, most frequent first,
     topped up with unseen ids in id order: the reduced draft vocabulary of a drafter."""

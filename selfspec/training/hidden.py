@@ -209,13 +209,12 @@ def cached_hidden_states(model, examples: Sequence[dict], layers: Sequence[int],
         for path, indices in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for i in indices:
-                    state = f.get_tensor(keys[i])
-                    if held_as is not None:
-                        state = state.to(held_as)
-                        if not torch.isfinite(state).all():
-                            raise ValueError(f"hidden-state cache {directory}: layer {layer}'s states overflow "
-                                             f"{held_as} (largest magnitude {float(f.get_tensor(keys[i]).abs().max()):g})"
-                                             "; hold them in bfloat16 (float32's range) or float32")
+                    stored = f.get_tensor(keys[i])
+                    state = stored if held_as is None else stored.to(held_as)
+                    if held_as is not None and not torch.isfinite(state).all():
+                        raise ValueError(f"hidden-state cache {directory}: layer {layer}'s states overflow "
+                                         f"{held_as} (largest magnitude {float(stored.abs().max()):g}); hold them "
+                                         "in bfloat16 (float32's range) or float32")
                     tensors[i] = state
         result[layer] = tensors
     return result
