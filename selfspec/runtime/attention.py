@@ -161,21 +161,33 @@ def skinny_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     kernel costs about 7 us a query on SmolLM2's layers on a 2-core CPU (64 us for 8 queries over 264 keys); this
     one about 3 (27 us). Same attention up to float rounding."""
     batch, _, n, head_dim = query.shape
-    mask = attention_mask
-    if (n <= MAX_SKINNY_QUERIES and query.device.type == "cpu" and not torch.is_grad_enabled() and dropout == 0.0
-            and query.dtype == key.dtype == value.dtype == torch.float32
+    if (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
             and key.shape[0] == value.shape[0] == batch and value.shape[-1] == key.shape[-1] == head_dim
+            and skinny_attention_takes(batch, n, key.shape[-2], head_dim, attention_mask, dropout, kwargs)):
+        from selfspec.runtime import skinny
+
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        return skinny.attention(query, key, value, attention_mask, scale), None
+    return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                              is_causal=is_causal, **kwargs)
+
+
+def skinny_attention_takes(batch: int, n: int, keys: int, head_dim: int, mask: torch.Tensor | None,
+                           dropout: float = 0.0, kwargs: dict | None = None) -> bool:
+    """Whether ``skinny_attention`` runs its kernel for ``n`` float32 CPU queries per batch row over ``keys`` keys
+    with ``mask`` (the lean layers' fused call, ``selfspec.runtime.lean``, asks the same): at most
+    ``MAX_SKINNY_QUERIES`` queries, no gradients, nothing but a scale on the scores, and a mask of
+    ``[1 or batch, 1, n, keys]`` (or none for a single query, which sees every key)."""
+    from selfspec.runtime import skinny
+
+    kwargs = kwargs or {}
+    return (n <= MAX_SKINNY_QUERIES and not torch.is_grad_enabled() and dropout == 0.0
             and kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
             and (n == 1 if mask is None else (
                 mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2] == n
-                and mask.shape[3] == key.shape[-2] and mask.dtype in (torch.bool, torch.float32)))):
-        from selfspec.runtime import skinny
-
-        if skinny.attention_supported(head_dim):
-            scale = scaling if scaling is not None else head_dim ** -0.5
-            return skinny.attention(query, key, value, mask, scale), None
-    return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                              is_causal=is_causal, **kwargs)
+                and mask.shape[3] == keys and mask.dtype in (torch.bool, torch.float32)
+                and mask.device.type == "cpu"))
+            and skinny.attention_supported(head_dim))
 
 
 def _register() -> None:

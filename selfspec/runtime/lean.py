@@ -25,6 +25,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfspec.runtime import skinny
+from selfspec.runtime.attention import skinny_attention, skinny_attention_takes
+from selfspec.runtime.cache import BufferedLayer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 #: The layers' forward mirrors these transformers versions' (5.25 on: ``cache.update(..., kwargs=...)``, the
@@ -76,6 +78,11 @@ def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
         elif isinstance(layer.__dict__.get("forward"), _LeanForward):
             del layer.forward
     return len(layers) if enabled else 0
+
+
+#: Whether a lean layer whose cache is a ``BufferedLayer`` and whose attention is the skinny kernel runs as one
+#: extension call (``skinny.decoder_layer``); False keeps the twelve-call ``block`` (the same result, bitwise).
+FUSED_LAYERS = True
 
 
 def _skinny_linear_class():
@@ -184,6 +191,10 @@ class _LeanForward:
                                                           getattr(attn.config, "sliding_window", None))}
         residual = hidden_states.reshape(rows, hidden).contiguous()
         norm = layer.input_layernorm
+        if FUSED_LAYERS and interface is skinny_attention:
+            out = self._fused(kernels, residual, batch, n, position_embeddings, attention_mask, cache, kwargs)
+            if out is not None:
+                return out.view(shape)
         x = skinny.rms_norm(residual, norm.weight, norm.variance_epsilon)
         if cache is not None:
             def update(k, v):
@@ -194,6 +205,37 @@ class _LeanForward:
         out = block(layer, kernels, x, residual, batch, n, position_embeddings, attention_mask, interface, update,
                     **kwargs)
         return out.view(shape)
+
+    def _fused(self, kernels: tuple, residual: torch.Tensor, batch: int, n: int, position_embeddings, attention_mask,
+               cache, kwargs: dict) -> torch.Tensor | None:
+        """The whole layer as one extension call (``skinny.decoder_layer``), when its keys and values go to one of
+        the project's buffered cache layers and its attention is the skinny kernel's; None where either is not so
+        (the caller then runs ``block``, which computes the same thing bitwise in twelve calls)."""
+        layer, attn = self.layer, self.layer.self_attn
+        layers = getattr(cache, "layers", None)
+        if layers is None or attn.layer_idx >= len(layers):
+            return None
+        held = layers[attn.layer_idx]
+        if type(held) is not BufferedLayer or held.keys is None or held._key_buffer is None \
+                or held._key_buffer.shape[0] != batch:
+            return None
+        length = held.keys.shape[-2]
+        end = length + n
+        if not skinny_attention_takes(batch, n, end, attn.head_dim, attention_mask, 0.0, kwargs):
+            return None
+        held._reserve(end, held.keys, held.values)
+        keys, values = held._key_buffer, held._value_buffer
+        d = attn.head_dim
+        cos, sin = position_embeddings
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        modules = [k.module for k in kernels]
+        out = skinny.decoder_layer(
+            residual, norm1.weight, norm1.variance_epsilon, [k._weight for k in kernels],
+            [m._parameters.get("bias") for m in modules], [m.out_features for m in modules],
+            cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous(), d, keys, values, length,
+            attention_mask, attn.scaling, norm2.weight, norm2.variance_epsilon)
+        held.keys, held.values = keys[:, :, :end], values[:, :, :end]
+        return out
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "is_lean_kernel", "kernels_of", "layer_kernels",

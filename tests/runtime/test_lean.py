@@ -83,3 +83,55 @@ def test_an_older_transformers_keeps_its_own_layers(monkeypatch):
     assert supported(model)
     monkeypatch.setattr(lean, "_transformers_version", lambda: (5, 24))
     assert supported(model) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases through the fused call
+def test_a_fused_layer_is_the_lean_layer_bitwise(arch, monkeypatch):
+    """A layer whose keys and values go to a buffered cache and whose attention is the skinny kernel runs as one
+    extension call (``skinny.decoder_layer``): its logits, hidden states and cache entries equal the twelve-call
+    lean layer's bit for bit, for one token, a masked tree and a left-padded batch; decoding stays lossless; and
+    a cache it does not know (transformers' own) goes the twelve-call way."""
+    from transformers import DynamicCache
+
+    from decoding.generate import verify_forward
+    from decoding.tree import DraftTree
+    from selfspec.runtime import lean
+    from selfspec.runtime.cache import crop, new_cache
+
+    model = tiny_model(arch, dtype=torch.float32, head_dim=64)
+    set_linear_backend(model, "skinny")
+    fused = []
+    layer_call = skinny.decoder_layer
+    monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or layer_call(h, *a))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (1, 13), generator=gen)
+    tree = DraftTree(torch.randint(0, 96, (6,), generator=gen), torch.tensor([-1, 0, 0, 1, 3, 2]))
+
+    def run(enabled: bool):
+        monkeypatch.setattr(lean, "FUSED_LAYERS", enabled)
+        cache = new_cache(model, 32)
+        outs = []
+        with torch.inference_mode():
+            model(ids[:, :10], cache=cache, use_cache=True)
+            one = model(ids[:, 10:11], cache=cache, use_cache=True, output_hidden_states=True)
+            outs += [one.logits, *one.hidden_states]
+            crop(cache, 10)
+            step = verify_forward(model, cache, int(ids[0, 10]), tree, output_hidden_states=True)
+            outs += [step.logits, *step.hidden_states, cache.layers[1].keys, cache.layers[1].values]
+        return outs
+
+    plain = run(False)
+    assert not fused
+    together = run(True)
+    assert sorted(set(fused)) == [1, 7]  # the one-token step and the 7-token tree
+    assert len(plain) == len(together) and all(torch.equal(a, b) for a, b in zip(plain, together))
+    fused.clear()
+    with torch.inference_mode():
+        model(ids[:, :3], cache=DynamicCache(config=model.config), use_cache=True)
+    assert not fused
+    assert_random_trees_decode_losslessly(model)
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 9)]
+    out = generate_batch(model, None, prompts, max_new_tokens=8, eos_token_id=None)  # left-padded: masked rows
+    for prompt, row in zip(prompts, out.sequences):
+        assert row.tolist() == model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8).tolist()
+    assert any(rows == 2 for rows in fused)  # the batch's one-token steps, two rows, went through it

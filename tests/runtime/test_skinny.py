@@ -243,8 +243,11 @@ def test_skinny_backend_attention_runs_few_query_forwards_and_stays_lossless(bui
         assert model.config._attn_implementation == SKINNY_ATTENTION
         torch.testing.assert_close(model(ids).logits, stock, rtol=1e-4, atol=1e-4)
     queries = []
-    kernel = skinny.attention
+    kernel, layer = skinny.attention, skinny.decoder_layer
     monkeypatch.setattr(skinny, "attention", lambda q, *a: queries.append(q.shape[2]) or kernel(q, *a))
+    # a Llama layer runs the kernel inside its one fused call (selfspec.runtime.lean): rows / batch queries
+    monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: queries.append(h.shape[0] // a[8].shape[0])
+                        or layer(h, *a))
     assert_random_trees_decode_losslessly(model)
     assert queries and max(queries) <= 7 and 1 in queries and any(n > 1 for n in queries)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]  # the second is left-padded: a masked batch forward
