@@ -18,7 +18,8 @@ import torch
 from decoding import generate
 from decoding.drafter import SamplingParams
 from decoding.registry import available_drafters, make_combined, make_drafter, parse_part, resolve_spec
-from selfspec.runtime.kernels import BACKENDS, linear_backend
+from selfspec.runtime.cache import new_cache
+from selfspec.runtime.kernels import BACKENDS, linear_backend, linear_backend_of
 from selfspec.runtime.layers import decoder_layers
 
 
@@ -147,7 +148,13 @@ class BackendMethod:
 
 class _HFMethod:
     """HF ``model.generate`` with extra generation kwargs. Steps are counted by a hook on the last decoder layer, so
-    an early-exit assistant's shallow drafting forwards are not counted as base forwards."""
+    an early-exit assistant's shallow drafting forwards are not counted as base forwards.
+
+    On the project's kernels (any linear backend but ``stock``) ``generate`` is handed the KV cache the speculative
+    decoders use (``selfspec.runtime.cache.new_cache``: preallocated buffers where transformers' cache concatenates
+    on every step, and with them the decoder layers' one-call path, ``selfspec.runtime.lean``), so that speedups are
+    measured against the best plain decoding the same stack gives. On ``stock`` (``vanilla@stock``) it keeps
+    transformers' own cache, as shipped. HF's early-exit assistant keeps its own too."""
 
     def __init__(self, name: str, **generate_kwargs: Any):
         self.name = name
@@ -163,11 +170,14 @@ class _HFMethod:
         try:
             if not settings.greedy:
                 torch.manual_seed(settings.seed)
+            cache = {}
+            if linear_backend_of(model) != "stock" and "assistant_early_exit" not in self.generate_kwargs:
+                cache["cache"] = new_cache(model, input_ids.shape[1] + settings.max_new_tokens + 8)
             start = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                      do_sample=not settings.greedy, max_new_tokens=settings.max_new_tokens,
-                                     eos_token_id=eos, pad_token_id=pad, **sampling, **self.generate_kwargs)
+                                     eos_token_id=eos, pad_token_id=pad, **sampling, **self.generate_kwargs, **cache)
             seconds = time.perf_counter() - start
         finally:
             hook.remove()

@@ -245,3 +245,30 @@ def test_spread_takes_prompts_from_every_block_of_the_file(tmp_path):
     assert main(["bench", "--model", "tiny:llama", "--methods", "vanilla", "--limit", "2", "--max-new-tokens", "4",
                  "--out", str(out), "--quiet", "--spread"]) == 0
     assert json.loads((out / "results.json").read_text())["config"]["spread"] is True
+
+
+@pytest.mark.xdist_group("skinny")
+def test_vanilla_on_the_project_kernels_uses_the_decoders_cache_and_stock_keeps_its_own(monkeypatch):
+    """``vanilla`` on the skinny kernels runs HF ``generate`` over the KV cache the speculative decoders use (and so
+    through the layers' one-call path): the same output as plain ``generate``; ``vanilla@stock`` keeps transformers'
+    own cache, as shipped."""
+    from selfspec.runtime import skinny
+    from selfspec.runtime.cache import BufferedLayer
+    from selfspec.runtime.kernels import set_linear_backend
+
+    if not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.unavailable_reason()}")
+    model = tiny_model("llama", dtype=torch.float32, head_dim=64)
+    prompt = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(4))
+    expected = model.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 7:].tolist()
+    set_linear_backend(model, "skinny")
+    seen, fused = [], []
+    real_generate, real_layer = model.generate, skinny.decoder_layer
+    monkeypatch.setattr(model, "generate", lambda *a, **k: seen.append(k.get("cache")) or real_generate(*a, **k))
+    monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or real_layer(h, *a))
+    settings = GenSettings(max_new_tokens=10)
+    assert parse_method("vanilla").generate(model, prompt, settings).tokens == expected
+    assert all(type(layer) is BufferedLayer for layer in seen[-1].layers) and fused
+    fused.clear()
+    assert parse_method("vanilla@stock").generate(model, prompt, settings).tokens == expected
+    assert seen[-1] is None and not fused
