@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfspec.runtime import skinny
 from selfspec.runtime.cache import grown_buffers
 
 
@@ -164,8 +165,6 @@ def skinny_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
             and key.shape[0] == value.shape[0] == batch and value.shape[-1] == key.shape[-1] == head_dim
             and skinny_attention_takes(batch, n, key.shape[-2], head_dim, attention_mask, dropout, kwargs)):
-        from selfspec.runtime import skinny
-
         scale = scaling if scaling is not None else head_dim ** -0.5
         return skinny.attention(query, key, value, attention_mask, scale), None
     return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -178,8 +177,6 @@ def skinny_attention_takes(batch: int, n: int, keys: int, head_dim: int, mask: t
     with ``mask`` (the lean layers' fused call, ``selfspec.runtime.lean``, asks the same): at most
     ``MAX_SKINNY_QUERIES`` queries, no gradients, nothing but a scale on the scores, and a mask of
     ``[1 or batch, 1, n, keys]`` (or none for a single query, which sees every key)."""
-    from selfspec.runtime import skinny
-
     kwargs = kwargs or {}
     return (n <= MAX_SKINNY_QUERIES and not torch.is_grad_enabled() and dropout == 0.0
             and kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None

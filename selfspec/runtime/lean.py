@@ -157,6 +157,19 @@ def block(layer: nn.Module, kernels: tuple, x: torch.Tensor, residual: torch.Ten
     return run_kernel(down_k, skinny.silu_mul_(run_kernel(gate_k, y), run_kernel(up_k, y)), h)
 
 
+_ROWS_OF: list = [None, None]  # [the position embeddings last reshaped, their (cos, sin) rows]
+
+
+def _rows_of(position_embeddings: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, ...]:
+    """``(cos, sin)`` as contiguous rows ``[rows, head_dim]``; every layer of a forward gets the same tuple from the
+    model, so it is reshaped once a forward rather than once a layer."""
+    if _ROWS_OF[0] is not position_embeddings:
+        cos, sin = position_embeddings
+        _ROWS_OF[:] = [position_embeddings, (cos.reshape(-1, head_dim).contiguous(),
+                                             sin.reshape(-1, head_dim).contiguous())]
+    return _ROWS_OF[1]
+
+
 class _LeanForward:
     """A decoder layer's ``forward`` (see the module docstring); ``calls`` counts the calls it took itself."""
 
@@ -165,6 +178,7 @@ class _LeanForward:
         self.calls = 0
         self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
         self.skinny_linear = _skinny_linear_class()  # resolved once, not on every layer call
+        self._interface: tuple = (None, None)  # (attention implementation, its function), looked up on a change
 
     def _fallback(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -177,7 +191,12 @@ class _LeanForward:
         rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
         kernels = layer_kernels(layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
         attn = layer.self_attn
-        interface = attention_interface(attn) if kernels is not None else None
+        interface = None
+        if kernels is not None:
+            name = attn.config._attn_implementation
+            if name != self._interface[0]:
+                self._interface = (name, attention_interface(attn))
+            interface = self._interface[1]
         if (kernels is None or interface is None or position_embeddings is None or kwargs.get("output_attentions")
                 or position_embeddings[0].shape[-1] != attn.head_dim):
             # eager attention, partial rotary, anything a lean pass does not take: the layer class's own forward
@@ -194,7 +213,7 @@ class _LeanForward:
         if FUSED_LAYERS and interface is skinny_attention:
             out = self._fused(kernels, residual, batch, n, position_embeddings, attention_mask, cache, kwargs)
             if out is not None:
-                return out.view(shape)
+                return out  # [batch, n, hidden]
         x = skinny.rms_norm(residual, norm.weight, norm.variance_epsilon)
         if cache is not None:
             def update(k, v):
@@ -226,15 +245,14 @@ class _LeanForward:
         held._reserve(end, held.keys, held.values)
         keys, values = held._key_buffer, held._value_buffer
         d = attn.head_dim
-        cos, sin = position_embeddings
+        cos, sin = _rows_of(position_embeddings, d)
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         modules = [k.module for k in kernels]
         out = skinny.decoder_layer(
             residual, norm1.weight, norm1.variance_epsilon, [k._weight for k in kernels],
-            [m._parameters.get("bias") for m in modules], [m.out_features for m in modules],
-            cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous(), d, keys, values, length,
-            attention_mask, attn.scaling, norm2.weight, norm2.variance_epsilon)
-        held.keys, held.values = keys[:, :, :end], values[:, :, :end]
+            [m._parameters.get("bias") for m in modules], [m.out_features for m in modules], cos, sin, d, keys,
+            values, length, attention_mask, attn.scaling, norm2.weight, norm2.variance_epsilon)
+        held.keys, held.values = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # the views update() leaves
         return out
 
 

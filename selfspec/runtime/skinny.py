@@ -186,7 +186,7 @@ def decoder_layer(hidden: torch.Tensor, norm1: torch.Tensor, eps1: float, packed
                   head_dim: int, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,
                   mask: torch.Tensor | None, scale: float, norm2: torch.Tensor, eps2: float) -> torch.Tensor:
     """One Llama-family decoder layer in one call (what ``selfspec.runtime.lean`` does in twelve, bitwise the same):
-    ``hidden [rows, hidden]`` -> the layer's output, the new keys and values written into ``key_buffer`` /
+    ``hidden [batch * n, hidden]`` -> the layer's output ``[batch, n, hidden]``, the new keys and values written into ``key_buffer`` /
     ``value_buffer`` ``[batch, kv_heads, capacity, head_dim]`` after their ``length`` entries (room reserved by the
     caller); ``packed`` / ``biases`` / ``out_features`` for q, k, v, o, gate, up, down."""
     return (_module if _module is not None else extension()).decoder_layer(

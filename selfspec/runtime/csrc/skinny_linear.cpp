@@ -312,21 +312,24 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t r0, i
     const float* qr = a.q + b * a.q_b + h * a.q_h + i * a.q_i;
     for (int64_t d = 0; d < D; ++d) qt[d * W + x] = qr[d] * a.scale;
   }
-  // S[j][rows] = sum_d qt[d][rows] * k[j][d], four keys at a time (independent accumulator chains)
+  // S[j][rows] = sum_d qt[d][rows] * k[j][d], KG keys at a time: independent accumulator chains, enough of them to
+  // cover the multiply-add latency on two pipes where the registers allow (8 with one vector of rows, else 4; the
+  // grouping of keys leaves every score's own sum, over d in order, as it is)
+  constexpr int KG = RV == 1 ? 8 : 4;
   int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {
-    vec acc[4][RV];
-    for (int t = 0; t < 4; ++t)
+  for (; j + KG <= L; j += KG) {
+    vec acc[KG][RV];
+    for (int t = 0; t < KG; ++t)
       for (int c = 0; c < RV; ++c) acc[t][c] = vec{};
     const float* k0 = keys + j * a.k_j;
     for (int64_t d = 0; d < D; ++d) {
       for (int c = 0; c < RV; ++c) {
         vec q;
         std::memcpy(&q, qt + d * W + c * kLanes, sizeof q);
-        for (int t = 0; t < 4; ++t) acc[t][c] += q * k0[t * a.k_j + d];
+        for (int t = 0; t < KG; ++t) acc[t][c] += q * k0[t * a.k_j + d];
       }
     }
-    for (int t = 0; t < 4; ++t)
+    for (int t = 0; t < KG; ++t)
       for (int c = 0; c < RV; ++c) std::memcpy(S + (j + t) * W + c * kLanes, &acc[t][c], sizeof(vec));
   }
   for (; j < L; ++j) {
@@ -616,7 +619,7 @@ void silu_mul_(torch::Tensor& gate, const torch::Tensor& up) {
 //
 // hidden [rows = B * n, hidden] (the residual stream); packed / biases / out_features: q, k, v, o, gate, up, down;
 // cos / sin [rows or n, head_dim]; k_buffer / v_buffer [B, KV, capacity, head_dim] holding `length` entries, with
-// room for n more (the caller reserves it); mask as `attention` takes it. Returns the layer's output [rows, hidden].
+// room for n more (the caller reserves it); mask as `attention` takes it. Returns the layer's output [B, n, hidden].
 
 torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps1,
                             const std::vector<torch::Tensor>& packed,
@@ -654,7 +657,7 @@ torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& no
   auto y = rms_norm(h, norm2, eps2);
   auto gate = linear(y, packed[4], out_features[4], biases[4], c10::nullopt);
   silu_mul_(gate, linear(y, packed[5], out_features[5], biases[5], c10::nullopt));
-  return linear(gate, packed[6], out_features[6], biases[6], h);
+  return linear(gate, packed[6], out_features[6], biases[6], h).view({B, n, -1});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
