@@ -5,9 +5,10 @@ tree of that many nodes costs against a plain step), and the floor of the linear
 of reading every weight once and doing their multiply-adds at the cores' peak rate (both measured first). Where
 the floor itself rises with the tokens, the linears are compute-bound and no kernel makes that tree cost what one
 token costs. ``--json`` prints one object ``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..},
-"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops", "curves": {backend: {"1": ..}}}``
-(``gflops``: a large GEMM through PyTorch's BLAS; ``fma_gflops``: the multiply-add peak the floor uses, null where
-the skinny extension does not build; ``curves``: every backend measured). ``--backends stock,onednn,skinny``
+"stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops", "curves": {backend: {"1": ..}},
+"wide_tiles"}`` (``gflops``: a large GEMM through PyTorch's BLAS; ``fma_gflops``: the multiply-add peak the floor
+uses, null where the skinny extension does not build; ``curves``: every backend measured; ``wide_tiles``: the tile
+shape 15-16 rows run as on the skinny kernel, null on other backends). ``--backends stock,onednn,skinny``
 measures those side by side as well (interleaved, as everything here).
 """
 
@@ -21,6 +22,7 @@ import torch
 from selfspec.bench.cost import cost_curves, cpu_model, linear_floor_ms, machine_limits
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_ints
+from selfspec.runtime import skinny
 from selfspec.runtime.kernels import BACKENDS, set_linear_backend
 from selfspec.runtime.models import load_model
 
@@ -68,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
               "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},
               "floor_ms": {str(n): ms for n, ms in floor.items()},
               "read_gb_s": limits["read_gb_s"], "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops"),
-              "curves": {b: {str(n): ms for n, ms in curves[b].items()} for b in backends}}
+              "curves": {b: {str(n): ms for n, ms in curves[b].items()} for b in backends},
+              "wide_tiles": skinny.wide_tiles() if chosen == "skinny" else None}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -84,4 +87,7 @@ def run(args: argparse.Namespace) -> int:
             else f"a large GEMM's rate ({limits['gflops']:.0f} GFLOPS measured)")
     print(f"linear floor: the longer of reading the linear weights once ({limits['read_gb_s']:.0f} GB/s measured) and "
           f"their multiply-adds at {rate}; attention, norms and dispatch come on top")
+    if result["wide_tiles"]:
+        print(f"15-16 rows run as {result['wide_tiles']} tiles (rows x weight panels; the faster shape here, "
+              "measured once by `auto`)")
     return 0

@@ -222,6 +222,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
     if auto and backend == "skinny":
         # and whether prompts' prefill runs faster on the kernel too (measured once per CPU, model, kernel build)
         skinny.MAX_ROWS = _prefill_rows(model, remeasure)
+        # and which tile shape computes 15-16 rows faster here (the same)
+        skinny.set_wide_tiles(_wide_tiles(model, remeasure))
     return backend
 
 
@@ -431,6 +433,44 @@ def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
     chosen = min(best, key=best.__getitem__)
     _record_choice(key, {"rows": chosen, **cpu_signature(), "prefill_tokens": PREFILL_PROBE,
                          "ms": {str(rows): round(1000 * t, 3) for rows, t in best.items()}})
+    return chosen
+
+
+#: the tree size ``auto`` times both 15-16-row tile shapes at
+WIDE_TILE_PROBE = 16
+
+
+def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
+    """The tile shape (``skinny.WIDE_TILES``) under which a ``WIDE_TILE_PROBE``-token forward of ``model`` over a
+    256-token cache ran faster (best of five, interleaved; the two give the same results), measured once per CPU,
+    model and kernel build and kept beside the backend choice. ``"16x1"`` without AVX-512 (no choice there)."""
+    key = _choice_key(model, (WIDE_TILE_PROBE,)) + "-wide-tiles"
+    entry = _recorded_choice(key, remeasure)
+    if entry is not None and entry.get("tiles") in skinny.WIDE_TILES:
+        return entry["tiles"]
+    if skinny.set_wide_tiles("12x2") != "12x2":
+        return "16x1"
+    from selfspec.runtime.cache import crop, new_cache
+
+    prefix, vocab = 256, model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, prefix + WIDE_TILE_PROBE), generator=torch.Generator().manual_seed(0))
+    best = {plan: float("inf") for plan in skinny.WIDE_TILES}
+    try:
+        with torch.inference_mode():
+            cache = new_cache(model, prefix + WIDE_TILE_PROBE)
+            model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
+            for _ in range(5):
+                for plan in best:
+                    skinny.set_wide_tiles(plan)
+                    start = time.perf_counter()
+                    model(input_ids=ids[:, prefix:], cache=cache, use_cache=True)
+                    best[plan] = min(best[plan], time.perf_counter() - start)
+                    crop(cache, prefix)
+    finally:
+        skinny.set_wide_tiles("16x1")
+    chosen = min(best, key=best.__getitem__)
+    _record_choice(key, {"tiles": chosen, **cpu_signature(), "tokens": WIDE_TILE_PROBE,
+                         "ms": {plan: round(1000 * t, 3) for plan, t in best.items()}})
     return chosen
 
 

@@ -194,6 +194,24 @@ def decoder_layer(hidden: torch.Tensor, norm1: torch.Tensor, eps1: float, packed
         mask, scale, norm2, eps2)
 
 
+#: The tile shapes for 15-16 rows the kernel can use (``set_wide_tiles``), by name.
+WIDE_TILES = ("16x1", "12x2")
+
+
+def set_wide_tiles(plan: str) -> str:
+    """Compute 15-16 rows as one 16-row tile per weight panel (``"16x1"``) or a 12-row tile over two panels and the
+    rest (``"12x2"``); which is faster differs between CPUs, and neither changes a result. Returns the shape in
+    effect: always ``"16x1"`` on a build without AVX-512, where the choice does not exist."""
+    if plan not in WIDE_TILES:
+        raise ValueError(f"unknown tile shape {plan!r}; choose one of {', '.join(WIDE_TILES)}")
+    return WIDE_TILES[int(extension().set_wide_tiles(WIDE_TILES.index(plan)))]
+
+
+def wide_tiles() -> str:
+    """The tile shape in effect for 15-16 rows (``set_wide_tiles``)."""
+    return WIDE_TILES[int(extension().wide_tiles())]
+
+
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate = silu(gate) * up`` in place (contiguous float32 ``[n, intermediate]`` both)."""
     (_module if _module is not None else extension()).silu_mul_(gate, up)

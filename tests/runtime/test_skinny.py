@@ -589,3 +589,57 @@ def test_drafters_stay_lossless_with_prompts_prefilled_on_the_kernel(built, monk
         out = generate(model, drafter, ids, max_new_tokens=24)
         assert torch.equal(out.sequences, greedy_reference(model, ids, 24)), (draft, n)
     assert max(rows) >= 32  # the prompts' prefill ran on the kernel
+
+
+def test_the_two_tile_shapes_for_15_and_16_rows_give_the_same_bits(built):
+    """15-16 rows run as one 16-row tile per panel or a 12-row tile over two panels and the rest: which is faster
+    differs between CPUs, the results never do (every output is the same K-ordered sum)."""
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(100, 72, generator=gen), torch.randn(100, generator=gen)
+    packed = skinny.pack(weight)
+    try:
+        for rows in (13, 15, 16, 17):
+            x = torch.randn(rows, 72, generator=gen)
+            assert skinny.set_wide_tiles("16x1") == "16x1"
+            tall = skinny.linear(x, packed, 100, bias)
+            wide = skinny.set_wide_tiles("12x2")
+            assert wide == ("12x2" if built.lanes() == 16 else "16x1")  # no choice without AVX-512
+            assert torch.equal(skinny.linear(x, packed, 100, bias), tall)
+            torch.testing.assert_close(tall, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    finally:
+        skinny.set_wide_tiles("16x1")
+    with pytest.raises(ValueError, match="tile shape"):
+        skinny.set_wide_tiles("8x3")
+
+
+@pytest.mark.parametrize("faster", ["16x1", "12x2"])
+def test_auto_picks_the_tile_shape_that_ran_faster_and_remembers_it(built, monkeypatch, tmp_path, faster):
+    from selfspec.runtime.io import cache_home
+
+    if built.lanes() != 16:
+        pytest.skip("one tile shape without AVX-512: nothing to choose")
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "skinny")
+    monkeypatch.setattr(kernels, "_prefill_rows", lambda *a, **k: skinny.DECODE_ROWS)
+    model = tiny_model("llama", dtype=torch.float32)
+    clock = iter(range(10**6))
+    shapes = []
+
+    def timed():  # the probe's forwards: the faster shape gets shorter times, whichever order they run in
+        shape = skinny.wide_tiles()
+        shapes.append(shape)
+        return next(clock) * (1 if shape == faster else 100)
+
+    real = time.perf_counter
+    monkeypatch.setattr(kernels.time, "perf_counter", timed)
+    try:
+        assert set_linear_backend(model, "auto") == "skinny"
+    finally:
+        monkeypatch.setattr(kernels.time, "perf_counter", real)
+    assert set(shapes) == set(skinny.WIDE_TILES) and skinny.wide_tiles() == faster
+    entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
+    assert [e["tiles"] for k, e in entries.items() if k.endswith("-wide-tiles")] == [faster]
+    skinny.set_wide_tiles("16x1" if faster == "12x2" else "12x2")
+    set_linear_backend(model, "auto")  # remembered: no probe, the recorded shape set again
+    assert skinny.wide_tiles() == faster
+    skinny.set_wide_tiles("16x1")

@@ -143,6 +143,14 @@ void panels(const float* x, int64_t n, int64_t K, const W* packed, float* out, i
 // (more weight streams in flight). A second row tile over the same panels re-reads them from cache but does not
 // overlap that with the memory stream: on a 2-core Xeon (AVX-512) SmolLM2's linears at 12 rows took 28 ms as
 // 8 + 4 rows x 3 panels and 21 ms as one 12-row x 2-panel tile, at 16 rows 28.6 -> 24.5 ms (16 x 1).
+//
+// 15-16 rows have two candidate shapes that win on different CPUs: one 16 x 1 tile (every weight streamed once; the
+// faster on the Xeon this dispatch was first tuned on) or a 12 x 2 tile and the rest over the same panels (more
+// multiply-adds per load, one more pass from cache; 5% faster whole forwards at 16 tokens on a later 2-core Xeon).
+// `set_wide_tiles` picks one; selfspec.runtime.kernels measures both once per machine. The shape never changes a
+// result: every output is the same K-ordered sum in any tiling.
+std::atomic<int> g_wide_tiles{0};  // 0: 16 x 1; 1: 12 x 2 (+ the rest)
+
 template <typename W>
 void dispatch(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
               const float* r, int64_t begin, int64_t end) {
@@ -153,6 +161,8 @@ void dispatch(const float* x, int64_t n, int64_t K, const W* packed, float* out,
   else if (n <= 8) panels<8, 2>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 12) panels<12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 14) panels<14, 2>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 16 && g_wide_tiles.load(std::memory_order_relaxed) == 1)
+    panels<12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 16) panels<16, 1>(x, n, K, packed, out, M, bias, r, begin, end);
   else panels<12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
 #else
@@ -168,6 +178,16 @@ void dispatch(const float* x, int64_t n, int64_t K, const W* packed, float* out,
 }  // namespace
 
 int64_t lanes() { return kLanes; }
+
+// The tile shape for 15-16 rows (see `dispatch`): 0 = 16 x 1, 1 = 12 x 2; a no-op without AVX-512 (returns the
+// plan in effect, always 0 there).
+int64_t set_wide_tiles(int64_t plan) {
+  TORCH_CHECK(plan == 0 || plan == 1, "skinny set_wide_tiles: plan 0 (16 x 1) or 1 (12 x 2), got ", plan);
+#ifdef __AVX512F__
+  g_wide_tiles.store(static_cast<int>(plan));
+#endif
+  return g_wide_tiles.load();
+}
 
 // How many threads a parallel region of this module really runs on: at::parallel_for is compiled into this file, so
 // without OpenMP at build time it silently runs serially, whatever torch.set_num_threads says.
@@ -690,6 +710,8 @@ double fma_peak_gflops(int64_t iterations) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "floats per panel (the vector width the kernel was built for)");
+  m.def("wide_tiles", []() { return static_cast<int64_t>(g_wide_tiles.load()); }, "the tile shape for 15-16 rows");
+  m.def("set_wide_tiles", &set_wide_tiles, "tile shape for 15-16 rows: 0 = 16 x 1, 1 = 12 x 2; returns the one in effect");
   m.def("parallel_threads", &parallel_threads, "threads a parallel region of this module runs on");
   m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes] (float16 with half=True)",
         py::arg("weight"), py::arg("half") = false);
