@@ -4,10 +4,12 @@ one part switched forward by forward, so that both sides see the same moment of 
     python scripts/forward_ab.py --compare attention --tokens 1,2,4,8,12,16,24
     python scripts/forward_ab.py --compare lean --tokens 1,2,4,8,12,16,24
     python scripts/forward_ab.py --compare lean --old-lean 172f0b7   # a revision's lean layers against this one's
+    python scripts/forward_ab.py --compare fused --tokens 1,4,8,9,12,16
 
 ``--compare attention``: PyTorch's SDPA over the grouped heads (``attention.GQA_SDPA``) against the few-query
 attention kernel (``attention.SKINNY_ATTENTION``). ``--compare lean``: transformers' decoder layers against the lean
-ones (``selfspec.runtime.lean``); with ``--old-lean REV``, the lean layers of git revision ``REV`` (its
+ones (``selfspec.runtime.lean``); ``--compare fused``: the lean layers as twelve extension calls against one
+(``lean.FUSED_LAYERS``; their logits must be bitwise equal); with ``--old-lean REV``, the lean layers of git revision ``REV`` (its
 ``selfspec/runtime/lean.py``, run on this checkout's kernels) against this checkout's. Every linear is on the skinny kernel on both sides. Each forward of ``n`` tokens
 runs over ``--prefix`` cached tokens with a causal mask and is rolled back after; medians of ``--repeats`` rounds.
 The logits of the two sides are compared first (argmax equal, largest difference printed).
@@ -38,6 +40,8 @@ COMPARISONS = {
     "attention": ("SDPA (GQA_SDPA)", "skinny attention",
                   lambda model, on: use_attention(model, SKINNY_ATTENTION if on else GQA_SDPA)),
     "lean": ("transformers' layers", "lean layers (selfspec.runtime.lean)", use_lean_layers),
+    "fused": ("lean layers, twelve calls", "lean layers, one call (skinny.decoder_layer)",
+              lambda model, on: setattr(lean, "FUSED_LAYERS", on)),
 }
 
 
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = forward(False, n), forward(True, n)
         if not torch.equal(a.argmax(-1), b.argmax(-1)):
             sys.exit(f"{n} tokens: the two sides disagree on an argmax")
+        if args.compare == "fused" and not torch.equal(a, b):
+            sys.exit(f"{n} tokens: the fused layer's logits differ from the twelve-call layer's")
         print(f"{n} tokens: logits differ by at most {(a - b).abs().max().item():.1e}", file=sys.stderr)
     times: dict = {}
     for round_ in range(args.repeats + 2):  # two rounds of warm-up

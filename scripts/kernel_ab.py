@@ -5,6 +5,7 @@ by call, both versions see the same moment).
     python scripts/kernel_ab.py --old c2c0220                          # a git revision's kernel vs this checkout's
     python scripts/kernel_ab.py --old c2c0220 --linears --tokens 1,8,12,16,24
     python scripts/kernel_ab.py --old c2c0220 --cflags=-mno-avx512f --linears  # the AVX2 code on an AVX-512 CPU
+    python scripts/kernel_ab.py --old 8ba5874 --attention --tokens 1,4,8,9,12,16
 
 Default: whole forwards of the model over ``--prefix`` cached tokens with every linear on the skinny kernel, the
 two builds swapped under the same packed weights before each forward (the pack layout must be the same in both,
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.bench.cost import cpu_model
 from selfspec.runtime import cache as kv
 from selfspec.runtime import skinny
 from selfspec.runtime.attention import GQA_SDPA, use_attention
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--linears", action="store_true", help="time the linear layers only")
+    parser.add_argument("--attention", action="store_true",
+                        help="time the attention kernel only: the model's heads over --prefix cached keys, 30 layers'"
+                             " worth (outputs must be bitwise equal)")
     parser.add_argument("--copies", type=int, default=1, help="with --linears: copies of the weights to stream")
     parser.add_argument("--cflags", default="", help="extra compiler flags for both builds (e.g. -mno-avx512f)")
     args = parser.parse_args(argv)
@@ -103,7 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     check_same(builds, [m.weight.detach() for m in linears], sizes)
     labels = ["old", "new"]
     with torch.inference_mode():
-        if args.linears:
+        if args.attention:
+            config = model.config
+            heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+            dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            keys = {n: (torch.randn(1, heads, n, dim), torch.randn(1, kv_heads, args.prefix + n, dim),
+                        torch.randn(1, kv_heads, args.prefix + n, dim),
+                        None if n == 1 else torch.ones(1, 1, n, args.prefix + n, dtype=torch.bool).tril(args.prefix))
+                    for n in sizes}
+            for n, (q, k, v, mask) in keys.items():
+                if not torch.equal(builds["old"].attention(q, k, v, mask, dim ** -0.5),
+                                   builds["new"].attention(q, k, v, mask, dim ** -0.5)):
+                    sys.exit(f"{n} queries: the two builds' attention differs")
+
+            def run(label, n):
+                module, (q, k, v, mask) = builds[label], keys[n]
+                for _ in range(config.num_hidden_layers):
+                    module.attention(q, k, v, mask, dim ** -0.5)
+        elif args.linears:
             layers = [(builds["new"].pack(m.weight.detach()), m.out_features, m.in_features)
                       for _ in range(args.copies) for m in linears]
             inputs = {n: {k: torch.randn(n, k) for k in {k for _, _, k in layers}} for n in sizes}
@@ -129,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                 kv.crop(cache, args.prefix)
 
         medians = time_rounds(run, labels, sizes, args.repeats)
-    what = "linear layers" if args.linears else f"forward over {args.prefix} cached tokens"
+    what = ("attention of every layer" if args.attention else "linear layers" if args.linears
+            else f"forward over {args.prefix} cached tokens")
+    what += f" ({cpu_model()})"
     print(f"{what}, ms (ratio to 1 token), median of {args.repeats} interleaved rounds, {args.threads} threads"
           f"{', ' + args.cflags if args.cflags else ''}")
     print("| kernel | " + " | ".join(str(n) for n in sizes) + " |")

@@ -1,0 +1,69 @@
+"""One weight matrix of the model's shapes through a build of the skinny kernel, per row count: hot (the matrix
+held in the cores' L2 caches: the compute side) and streamed (as many distinct copies as fill memory beyond the
+caches: the forward's real case). The gap between the two says whether a tile shape or prefetch change can help:
+when streamed time ~ read time + hot time, reading and computing do not overlap.
+
+    python scripts/kernel_shapes.py                       # this checkout's kernel
+    python scripts/kernel_shapes.py --kernel VARIANT.cpp --rows 8,12,14,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_ab  # noqa: E402  (the build helper shared with the A/B script)
+
+from selfspec.bench.cost import cpu_model  # noqa: E402
+from selfspec.runtime import skinny  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default=str(skinny.SOURCE), help="a .cpp file or git revision of the kernel")
+    parser.add_argument("--rows", default="1,4,8,12,14,16")
+    parser.add_argument("--shapes", default="1536x576,576x1536", help="OUTxIN matrices (SmolLM2's MLP)")
+    parser.add_argument("--copies", type=int, default=60, help="distinct copies streamed for the cold case")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ext = kernel_ab.build(kernel_ab.kernel_source(args.kernel), [])
+    print(f"{cpu_model()}, {args.threads} threads, kernel {args.kernel}")
+    print("| matrix | rows | hot us | hot GFLOPS | streamed us | streamed GB/s | streamed GFLOPS |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for shape in args.shapes.split(","):
+        out_features, in_features = (int(v) for v in shape.split("x"))
+        hot = ext.pack(torch.randn(out_features, in_features), False)
+        copies = [ext.pack(torch.randn(out_features, in_features), False) for _ in range(args.copies)]
+        for n in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(n, in_features)
+            for _ in range(20):
+                ext.linear(x, hot, out_features, None, None)
+            rounds = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(80):
+                    ext.linear(x, hot, out_features, None, None)
+                rounds.append((time.perf_counter() - start) / 80)
+            hot_s = statistics.median(rounds)
+            rounds = []
+            for _ in range(3):
+                start = time.perf_counter()
+                for packed in copies:
+                    ext.linear(x, packed, out_features, None, None)
+                rounds.append((time.perf_counter() - start) / len(copies))
+            cold_s = statistics.median(rounds)
+            flops = 2 * n * out_features * in_features
+            print(f"| {shape} | {n} | {hot_s * 1e6:.1f} | {flops / hot_s / 1e9:.0f} | {cold_s * 1e6:.1f} | "
+                  f"{out_features * in_features * 4 / cold_s / 1e9:.1f} | {flops / cold_s / 1e9:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
