@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.runtime import lean, skinny
-from selfspec.runtime.attention import LayerCache
+from selfspec.runtime.attention import LayerCache, skinny_attention
 from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
@@ -262,6 +262,8 @@ class EagleDraftModel(nn.Module):
                          and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
         # The base's modules, held outside the module tree: never trained, never saved.
         self._base = (base_model,)
+        self._interface: tuple = (None, None)  # (attention implementation, its function), looked up on a change
+        self._rotary_table: tuple | None = None  # (cos, sin) [positions, head_dim] for decode steps
         self.refresh_shared()
 
     @property
@@ -315,11 +317,18 @@ class EagleDraftModel(nn.Module):
         """
         embeds = self.embed(next_ids).to(hidden.dtype)
         layer = self.layer
-        rotary = self.base_model.get_decoder().rotary_emb
-        position_embeddings = rotary(hidden, position_ids=position_ids)
         batch, n, width = hidden.shape
         kernels = lean.layer_kernels(layer, batch * n, hidden.dtype, hidden.device) if self._lean_ok else None
-        interface = lean.attention_interface(layer.self_attn) if kernels is not None else None
+        interface = None
+        if kernels is not None:
+            name = layer.self_attn.config._attn_implementation
+            if name != self._interface[0]:
+                self._interface = (name, lean.attention_interface(layer.self_attn))
+            interface = self._interface[1]
+        if interface is not None:
+            position_embeddings = self._rotary_rows(hidden, position_ids)
+        else:
+            position_embeddings = self.base_model.get_decoder().rotary_emb(hidden, position_ids=position_ids)
         if interface is not None and position_embeddings[0].shape[-1] == layer.self_attn.head_dim:
             # Decoding on the skinny backend: the same layer as one pass of fused kernels (selfspec.runtime.lean),
             # without the module calls and the ~25 small tensor ops around its seven matmuls.
@@ -328,6 +337,11 @@ class EagleDraftModel(nn.Module):
             x = torch.cat([skinny.rms_norm(embeds.reshape(batch * n, width).contiguous(), first.weight,
                                            first.variance_epsilon),
                            skinny.rms_norm(residual, second.weight, second.variance_epsilon)], dim=-1)
+            if lean.FUSED_LAYERS and cache is not None and interface is skinny_attention:
+                out = lean.fused_block(layer, kernels, residual, batch, n, position_embeddings, attention_mask,
+                                       cache, normed=x)
+                if out is not None:  # the same layer as one extension call
+                    return out
             update = (cache.update if cache is not None else lambda k, v: (k, v))
             out = lean.block(layer, kernels, x, residual, batch, n, position_embeddings, attention_mask, interface,
                              update)
@@ -337,6 +351,22 @@ class EagleDraftModel(nn.Module):
                                   attention_mask=attention_mask, cache=cache)
         hidden = hidden + attn
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _rotary_rows(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[b, q, head_dim]`` of the base's rotary embedding at ``position_ids``, looked up in a
+        table the rotary module computed once for every position up to a power of two (a draft step's positions are
+        one or two lookups, where the module runs six small ops a call). The module computes each position alone,
+        so its rows are what it would give one position at a time; a drafter's inputs only shape what it
+        proposes in any case."""
+        needed = int(position_ids.max()) + 1
+        table = self._rotary_table
+        if table is None or table[0].shape[0] < needed or table[0].dtype != hidden.dtype \
+                or table[0].device != hidden.device:
+            size = max(1024, 1 << (needed - 1).bit_length())
+            positions = torch.arange(size, device=hidden.device)[None]
+            cos, sin = self.base_model.get_decoder().rotary_emb(hidden[:, :1], position_ids=positions)
+            table = self._rotary_table = (cos[0], sin[0])
+        return table[0][position_ids], table[1][position_ids]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., draft_vocab_size]`` of draft outputs ``[..., hidden]``."""

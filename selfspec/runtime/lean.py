@@ -157,6 +157,37 @@ def block(layer: nn.Module, kernels: tuple, x: torch.Tensor, residual: torch.Ten
     return run_kernel(down_k, skinny.silu_mul_(run_kernel(gate_k, y), run_kernel(up_k, y)), h)
 
 
+def fused_block(layer: nn.Module, kernels: tuple, residual: torch.Tensor, batch: int, n: int, position_embeddings,
+                attention_mask, held, normed: torch.Tensor | None = None, kwargs: dict | None = None
+                ) -> torch.Tensor | None:
+    """``layer`` (its skinny ``kernels``) over ``residual`` ``[rows, hidden]`` as one extension call
+    (``skinny.decoder_layer``: what ``block`` computes, bitwise, in twelve), its keys and values written after the
+    entries ``held`` keeps (a ``BufferedLayer`` of the base's cache, or a drafter's ``attention.LayerCache``: both
+    hold views of buffers that ``_reserve`` grows). ``normed``: the attention input where it is not
+    ``input_layernorm(residual)`` (a feature drafter's two normed halves). Returns ``[batch, n, hidden]``; None where
+    the call does not apply (no buffers yet, another batch size, attention the skinny kernel would not take)."""
+    buffer = held._key_buffer
+    if held.keys is None or buffer is None or buffer.shape[0] != batch:
+        return None
+    attn = layer.self_attn
+    length = held.keys.shape[-2]
+    end = length + n
+    if not skinny_attention_takes(batch, n, end, attn.head_dim, attention_mask, 0.0, kwargs):
+        return None
+    held._reserve(end, held.keys, held.values)
+    keys, values = held._key_buffer, held._value_buffer
+    d = attn.head_dim
+    cos, sin = _rows_of(position_embeddings, d)
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    modules = [k.module for k in kernels]
+    out = skinny.decoder_layer(
+        residual, norm1.weight, norm1.variance_epsilon, [k._weight for k in kernels],
+        [m._parameters.get("bias") for m in modules], [m.out_features for m in modules], cos, sin, d, keys, values,
+        length, attention_mask, attn.scaling, norm2.weight, norm2.variance_epsilon, normed)
+    held.keys, held.values = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # the views an append leaves
+    return out
+
+
 _ROWS_OF: list = [None, None]  # [the position embeddings last reshaped, their (cos, sin) rows]
 
 
@@ -227,34 +258,15 @@ class _LeanForward:
 
     def _fused(self, kernels: tuple, residual: torch.Tensor, batch: int, n: int, position_embeddings, attention_mask,
                cache, kwargs: dict) -> torch.Tensor | None:
-        """The whole layer as one extension call (``skinny.decoder_layer``), when its keys and values go to one of
-        the project's buffered cache layers and its attention is the skinny kernel's; None where either is not so
-        (the caller then runs ``block``, which computes the same thing bitwise in twelve calls)."""
-        layer, attn = self.layer, self.layer.self_attn
+        """``fused_block`` where the layer's keys and values go to one of the project's buffered cache layers; None
+        otherwise (the caller then runs ``block``)."""
         layers = getattr(cache, "layers", None)
-        if layers is None or attn.layer_idx >= len(layers):
+        index = self.layer.self_attn.layer_idx
+        if layers is None or index >= len(layers) or type(layers[index]) is not BufferedLayer:
             return None
-        held = layers[attn.layer_idx]
-        if type(held) is not BufferedLayer or held.keys is None or held._key_buffer is None \
-                or held._key_buffer.shape[0] != batch:
-            return None
-        length = held.keys.shape[-2]
-        end = length + n
-        if not skinny_attention_takes(batch, n, end, attn.head_dim, attention_mask, 0.0, kwargs):
-            return None
-        held._reserve(end, held.keys, held.values)
-        keys, values = held._key_buffer, held._value_buffer
-        d = attn.head_dim
-        cos, sin = _rows_of(position_embeddings, d)
-        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        modules = [k.module for k in kernels]
-        out = skinny.decoder_layer(
-            residual, norm1.weight, norm1.variance_epsilon, [k._weight for k in kernels],
-            [m._parameters.get("bias") for m in modules], [m.out_features for m in modules], cos, sin, d, keys,
-            values, length, attention_mask, attn.scaling, norm2.weight, norm2.variance_epsilon)
-        held.keys, held.values = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # the views update() leaves
-        return out
+        return fused_block(self.layer, kernels, residual, batch, n, position_embeddings, attention_mask, layers[index],
+                           kwargs=kwargs)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "is_lean_kernel", "kernels_of", "layer_kernels",
-           "run_kernel", "supported", "use_lean_layers"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "fused_block", "is_lean_kernel", "kernels_of",
+           "layer_kernels", "run_kernel", "supported", "use_lean_layers"]

@@ -184,14 +184,16 @@ def rope_(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: in
 def decoder_layer(hidden: torch.Tensor, norm1: torch.Tensor, eps1: float, packed: list[torch.Tensor],
                   biases: list[torch.Tensor | None], out_features: list[int], cos: torch.Tensor, sin: torch.Tensor,
                   head_dim: int, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,
-                  mask: torch.Tensor | None, scale: float, norm2: torch.Tensor, eps2: float) -> torch.Tensor:
+                  mask: torch.Tensor | None, scale: float, norm2: torch.Tensor, eps2: float,
+                  normed: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama-family decoder layer in one call (what ``selfspec.runtime.lean`` does in twelve, bitwise the same):
     ``hidden [batch * n, hidden]`` -> the layer's output ``[batch, n, hidden]``, the new keys and values written into ``key_buffer`` /
     ``value_buffer`` ``[batch, kv_heads, capacity, head_dim]`` after their ``length`` entries (room reserved by the
-    caller); ``packed`` / ``biases`` / ``out_features`` for q, k, v, o, gate, up, down."""
+    caller); ``packed`` / ``biases`` / ``out_features`` for q, k, v, o, gate, up, down; ``normed``: the attention
+    input where it is not ``RMSNorm(hidden)`` (a feature drafter's normed halves; ``norm1`` is then not read)."""
     return (_module if _module is not None else extension()).decoder_layer(
         hidden, norm1, eps1, packed, biases, out_features, cos, sin, head_dim, key_buffer, value_buffer, length,
-        mask, scale, norm2, eps2)
+        mask, scale, norm2, eps2, normed)
 
 
 #: The tile shapes for 15-16 rows the kernel can use (``set_wide_tiles``), by name.

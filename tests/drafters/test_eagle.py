@@ -419,3 +419,16 @@ def test_ttt_attention_hands_what_it_does_not_cover_to_the_models_own(llama, fal
         assert calls == ["eager"] and torch.allclose(handed_on, own, atol=1e-5)
     with pytest.raises(TypeError, match="training-time-test steps only"):
         ttt_attention(attn, q, k, v, mask.dense())
+
+
+def test_decode_steps_read_rotary_rows_from_a_table_equal_to_the_rotary_module(llama):
+    """A draft step looks its positions' cos / sin up in a table the base's rotary module computed once (grown to
+    a power of two past the largest position asked): the same values the module gives for those positions."""
+    draft = eagle_draft(llama, seed=1)
+    rotary = llama.get_decoder().rotary_emb
+    x = torch.randn(1, 3, llama.config.hidden_size)
+    for positions in (torch.tensor([[0, 5, 5]]), torch.tensor([[1500, 1501, 2047]])):
+        cos, sin = draft._rotary_rows(x, positions)
+        want_cos, want_sin = rotary(x, position_ids=positions)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert draft._rotary_table[0].shape[0] == 2048

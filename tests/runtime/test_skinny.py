@@ -481,6 +481,44 @@ def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monke
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_feature_drafter_steps_over_its_cache_run_as_one_call_bitwise_equal_to_the_lean_pass(built, monkeypatch):
+    """Once its cache holds buffers, a draft step on the skinny backend runs the draft layer as one extension call
+    (``lean.fused_block`` with the two normed halves as the attention input): outputs, logits and cache entries
+    equal the twelve-call lean pass bit for bit, for a single token and a masked tree step."""
+    from eagle.model import DraftCache
+    from selfspec.runtime import lean
+    from selfspec.testing import eagle_draft
+
+    model = tiny_model("llama", dtype=torch.float32, head_dim=64)
+    set_linear_backend(model, "skinny")  # before the drafter is built, as loading one onto a model does: its layer
+    draft = eagle_draft(model, seed=4, draft_vocab_size=60)  # takes the base's (skinny) attention from its config
+    kernels.follow_backend(model, draft.linear_layers, "stock")
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    features, ids = torch.randn(1, 9, hidden, generator=gen), torch.randint(0, 60, (1, 9), generator=gen)
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    fused = []
+    layer_call = skinny.decoder_layer
+    monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or layer_call(h, *a))
+
+    def run(enabled: bool):
+        monkeypatch.setattr(lean, "FUSED_LAYERS", enabled)
+        cache = DraftCache()
+        with torch.inference_mode():
+            draft.step(features[:, :5], ids[:, :5], torch.arange(5)[None],
+                       torch.ones(5, 5, dtype=torch.bool).tril()[None, None], cache)  # the verified prefix
+            one = draft.step(features[:, 5:6], ids[:, 5:6], torch.tensor([[5]]), None, cache)
+            mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree], dim=1)[None, None]
+            three = draft.step(features[:, 6:9], ids[:, 6:9], torch.tensor([[6, 7, 7]]), mask, cache)
+            return [one, draft.logits(one), three, draft.logits(three), cache.keys.clone(), cache.values.clone()]
+
+    plain = run(False)
+    assert not fused
+    together = run(True)
+    assert fused == [1, 3]  # the prefix step finds no buffers yet: the twelve-call pass fills them
+    assert all(torch.equal(a, b) for a, b in zip(plain, together))
+
+
 @pytest.mark.parametrize("mlp", [0, 40])
 def test_early_exit_attention_adapter_runs_one_lean_pass_equal_to_its_modules(built, monkeypatch, mlp):
     from early_exit.adapter import AttentionAdapter

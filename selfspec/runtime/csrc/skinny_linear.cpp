@@ -639,7 +639,8 @@ void silu_mul_(torch::Tensor& gate, const torch::Tensor& up) {
 //
 // hidden [rows = B * n, hidden] (the residual stream); packed / biases / out_features: q, k, v, o, gate, up, down;
 // cos / sin [rows or n, head_dim]; k_buffer / v_buffer [B, KV, capacity, head_dim] holding `length` entries, with
-// room for n more (the caller reserves it); mask as `attention` takes it. Returns the layer's output [B, n, hidden].
+// room for n more (the caller reserves it); mask as `attention` takes it; normed: the attention input [rows, any
+// width] where it is not RMSNorm(hidden) (then norm1 is not read). Returns the layer's output [B, n, hidden].
 
 torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps1,
                             const std::vector<torch::Tensor>& packed,
@@ -647,7 +648,8 @@ torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& no
                             const std::vector<int64_t>& out_features, const torch::Tensor& cos,
                             const torch::Tensor& sin, int64_t head_dim, const torch::Tensor& k_buffer,
                             const torch::Tensor& v_buffer, int64_t length, const c10::optional<torch::Tensor>& mask,
-                            double scale, const torch::Tensor& norm2, double eps2) {
+                            double scale, const torch::Tensor& norm2, double eps2,
+                            const c10::optional<torch::Tensor>& normed) {
   TORCH_CHECK(packed.size() == 7 && biases.size() == 7 && out_features.size() == 7,
               "skinny decoder_layer: seven linears (q, k, v, o, gate, up, down)");
   check_rows(hidden, "decoder_layer");
@@ -659,7 +661,15 @@ torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& no
   const int64_t B = k_buffer.size(0), KV = k_buffer.size(1), n = hidden.size(0) / B, D = head_dim;
   TORCH_CHECK(length >= 0 && length + n <= k_buffer.size(2), "skinny decoder_layer: ", length, " + ", n,
               " entries in buffers of ", k_buffer.size(2));
-  auto x = rms_norm(hidden, norm1, eps1);
+  torch::Tensor x;
+  if (normed.has_value() && normed->defined()) {  // an attention input of its own (a feature drafter's two halves)
+    check_rows(*normed, "decoder_layer (normed input)");
+    TORCH_CHECK(normed->size(0) == hidden.size(0), "skinny decoder_layer: ", normed->size(0), " normed rows for ",
+                hidden.size(0), " hidden rows");
+    x = *normed;
+  } else {
+    x = rms_norm(hidden, norm1, eps1);
+  }
   auto q = linear(x, packed[0], out_features[0], biases[0], c10::nullopt);
   rope_(q, cos, sin, D);
   auto k = linear(x, packed[1], out_features[1], biases[1], c10::nullopt);
