@@ -14,6 +14,12 @@ rotary); anything else (prefill, training, a LoRA-wrapped projection, ``output_a
 own ``forward``. Results are the model's up to float rounding (summation order, exp), the same class of difference
 as the kernels themselves.
 
+Where a layer's keys and values go to one of the project's buffered cache layers (``selfspec.runtime.cache``) and its
+attention is the skinny kernel's, the whole layer runs as one extension call instead (``fused_block`` ->
+``skinny.decoder_layer``: the same functions on the same inputs in the same order, so bitwise what the twelve calls
+give, without the Python between them; a feature drafter's draft layer takes it too). ``FUSED_LAYERS = False``
+turns that off, for comparisons (``scripts/forward_ab.py --compare fused``).
+
 Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too),
 with transformers 5.25 or later (``MIN_TRANSFORMERS``).
 """
