@@ -31,10 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="1536x576,576x1536", help="OUTxIN matrices (SmolLM2's MLP)")
     parser.add_argument("--copies", type=int, default=60, help="distinct copies streamed for the cold case")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--wide-tiles", choices=skinny.WIDE_TILES, default="16x1",
+                        help="the tile shape for 15-16 rows, where the build has the choice")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ext = kernel_ab.build(kernel_ab.kernel_source(args.kernel), [])
-    print(f"{cpu_model()}, {args.threads} threads, kernel {args.kernel}")
+    if hasattr(ext, "set_wide_tiles"):
+        ext.set_wide_tiles(skinny.WIDE_TILES.index(args.wide_tiles))
+    print(f"{cpu_model()}, {args.threads} threads, kernel {args.kernel}, 15-16 rows as {args.wide_tiles}")
     print("| matrix | rows | hot us | hot GFLOPS | streamed us | streamed GB/s | streamed GFLOPS |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
