@@ -26,6 +26,7 @@ from decoding.drafter import DecodeState, DrafterBase
 from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
 from eagle.model import DraftCache, EagleDraftModel
+from selfspec.runtime.attention import follow_attention
 from selfspec.runtime.kernels import follow_backend
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
@@ -75,8 +76,11 @@ class EagleDrafter(DrafterBase):
 
     # ------------------------------------------------------------ context
     def begin(self, state: DecodeState) -> None:
-        # Draft on the kernels the base model was given (selfspec.runtime.kernels).
+        # Draft on the kernels the base model was given (selfspec.runtime.kernels), with the attention it was given:
+        # the draft layer's config is a copy of the base's from when the drafter was built, which may predate
+        # set_linear_backend (the skinny attention kernel is also what lets a draft step run as one call).
         self._backend = follow_backend(self.model, self.draft.linear_layers, self._backend)
+        follow_attention(self.model, self.draft.layer.self_attn.config)
         self.cache.reset()
         self.last = None
         self._extend(state)

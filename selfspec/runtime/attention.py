@@ -198,6 +198,21 @@ def _register() -> None:
 
 _register()
 
+#: The inference attentions a drafter's copied layer may switch between to follow its base (``follow_attention``).
+_FOLLOWED = ("sdpa", GQA_SDPA, SKINNY_ATTENTION)
+
+
+def follow_attention(model: nn.Module, config) -> str | None:
+    """Give ``config`` (a drafter's layer's, copied from ``model``'s when it was built) the attention
+    implementation ``model`` runs now, where both are plain SDPA or one of the project's CPU attentions; any other
+    (eager, flash, a training-time one) is left alone. Returns the implementation ``config`` has."""
+    base = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    own = getattr(config, "_attn_implementation", None)
+    if base in _FOLLOWED and own in _FOLLOWED and own != base:
+        config._attn_implementation = base
+    return config._attn_implementation
+
+
 _ORIGINAL = "_selfspec_original_attention"
 
 

@@ -681,3 +681,29 @@ def test_auto_picks_the_tile_shape_that_ran_faster_and_remembers_it(built, monke
     set_linear_backend(model, "auto")  # remembered: no probe, the recorded shape set again
     assert skinny.wide_tiles() == faster
     skinny.set_wide_tiles("16x1")
+
+
+def test_a_feature_drafter_built_before_the_backend_follows_its_attention(built, monkeypatch):
+    """A drafter's layer copies the base's config when it is built; built before ``set_linear_backend``, it takes
+    the base's attention on ``begin`` (the skinny kernel, so its steps run as one call) and back to SDPA when the
+    base goes back to stock; decoding equals ``generate`` throughout."""
+    from decoding.generate import generate
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from selfspec.runtime.attention import SKINNY_ATTENTION
+    from selfspec.testing import eagle_draft, greedy_reference, random_prompt
+
+    model = tiny_model("llama", dtype=torch.float32, head_dim=64)
+    drafter = EagleDrafter(model, eagle_draft(model, seed=5, draft_vocab_size=60), EaglePolicy(depth=3, nodes=5))
+    config = drafter.draft.layer.self_attn.config
+    assert config._attn_implementation == "sdpa"
+    fused = []
+    layer_call = skinny.decoder_layer
+    monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(a[15] is not None) or layer_call(h, *a))
+    ids = random_prompt(6, seed=3)
+    set_linear_backend(model, "skinny")
+    out = generate(model, drafter, ids, max_new_tokens=12)
+    assert torch.equal(out.sequences, greedy_reference(model, ids, 12))
+    assert config._attn_implementation == SKINNY_ATTENTION and any(fused)  # draft steps (their normed input) too
+    set_linear_backend(model, "stock")
+    out = generate(model, drafter, ids, max_new_tokens=12)
+    assert torch.equal(out.sequences, greedy_reference(model, ids, 12)) and config._attn_implementation == "sdpa"
