@@ -178,7 +178,7 @@ def process_rows(processor, sequence: torch.Tensor, tree: DraftTree, logits: tor
 
 def _choose(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     if sampling.greedy:
-        return int(logits.argmax(-1))
+        return int(logits.max(-1).indices)  # argmax (first maximal index), vectorised (see verify.greedy)
     return int(torch.multinomial(verify.target_probs(logits[None], sampling)[0], 1, generator=generator))
 
 

@@ -78,3 +78,21 @@ def test_to_keeps_a_tree_already_on_the_device():
     # on the CPU must not be copied.
     tree = DraftTree(torch.tensor([4, 5]), torch.tensor([-1, 0]), torch.full((2, 8), 0.125))
     assert tree.to(torch.device("cpu")) is tree
+
+
+def test_greedy_verification_takes_the_first_maximal_token_as_argmax_does():
+    """``verify.greedy`` reads each row's argmax through ``max(dim).indices`` (vectorised): on ties it must pick the
+    first maximal index and on NaN the first NaN, as ``argmax`` (and so HF ``generate``) does."""
+    from decoding import verify
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(5, 3000, generator=gen)
+        if trial % 2:
+            logits = logits.round()  # many tied maxima
+        if trial % 5 == 0:
+            logits[2, 1234] = float("nan")
+        tree = DraftTree(torch.randint(0, 3000, (4,), generator=gen), torch.tensor([-1, 0, 0, 1]))
+        tree.tokens[:] = logits.argmax(-1)[tree.parents + 1]  # every node right: the deepest path is taken
+        verdict = verify.greedy(tree, logits)
+        assert verdict.accepted == [0, 1, 3] and verdict.next_token == int(logits.argmax(-1)[4])
