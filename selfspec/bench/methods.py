@@ -18,8 +18,8 @@ import torch
 from decoding import generate
 from decoding.drafter import SamplingParams
 from decoding.registry import available_drafters, make_combined, make_drafter, parse_part, resolve_spec
-from selfspec.runtime.cache import new_cache
-from selfspec.runtime.kernels import BACKENDS, linear_backend, linear_backend_of
+from selfspec.runtime.cache import generate_kwargs
+from selfspec.runtime.kernels import BACKENDS, linear_backend
 from selfspec.runtime.layers import decoder_layers
 
 
@@ -170,9 +170,8 @@ class _HFMethod:
         try:
             if not settings.greedy:
                 torch.manual_seed(settings.seed)
-            cache = {}
-            if linear_backend_of(model) != "stock" and "assistant_early_exit" not in self.generate_kwargs:
-                cache["cache"] = new_cache(model, input_ids.shape[1] + settings.max_new_tokens + 8)
+            cache = {} if "assistant_early_exit" in self.generate_kwargs else \
+                generate_kwargs(model, input_ids.shape[1] + settings.max_new_tokens + 8)
             start = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),

@@ -17,6 +17,7 @@ from decoding import combine, make_drafter
 from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.runtime.adapters import adapter_spec
+from selfspec.runtime.cache import generate_kwargs
 from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt
@@ -68,12 +69,14 @@ def register(subparsers) -> None:
 
 
 def _baseline(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> tuple[torch.Tensor, float]:
-    """HF greedy ``generate``: the reference text and the speed to beat. Returns ``(sequences, seconds)``."""
+    """HF greedy ``generate``: the reference text and the speed to beat, on the same kernels and layers as the
+    heads (``selfspec.runtime.cache.generate_kwargs``). Returns ``(sequences, seconds)``."""
+    cache = generate_kwargs(model, input_ids.shape[1] + max_new_tokens + 8)
     start = time.perf_counter()
     sequences = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                pad_token_id=eos_token_id if eos_token_id is not None else 0,
-                               temperature=None, top_p=None, top_k=None)
+                               temperature=None, top_p=None, top_k=None, **cache)
     return sequences, time.perf_counter() - start
 
 

@@ -97,6 +97,16 @@ def new_cache(model, capacity: int = 0) -> DynamicCache:
     return cache
 
 
+def generate_kwargs(model, capacity: int) -> dict:
+    """What to hand HF ``model.generate`` so that plain decoding runs as the speculative decoders do: on the
+    project's kernels (any linear backend but ``stock``), ``{"cache": new_cache(model, capacity)}``, the buffered
+    cache and with it the decoder layers' one-call path (``selfspec.runtime.lean``); on ``stock``, nothing:
+    transformers' own cache, as shipped. The baselines of ``selfspec bench`` and ``selfspec demo`` use it."""
+    from selfspec.runtime.kernels import linear_backend_of  # kernels imports this module (through lean)
+
+    return {} if linear_backend_of(model) == "stock" else {"cache": new_cache(model, capacity)}
+
+
 def _layers(cache):
     layers = getattr(cache, "layers", None)
     if layers is None:

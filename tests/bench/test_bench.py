@@ -272,3 +272,8 @@ def test_vanilla_on_the_project_kernels_uses_the_decoders_cache_and_stock_keeps_
     fused.clear()
     assert parse_method("vanilla@stock").generate(model, prompt, settings).tokens == expected
     assert seen[-1] is None and not fused
+    from selfspec.cli.demo import _baseline  # the demo's baseline follows the same rule
+
+    seen.clear()
+    sequences, _ = _baseline(model, prompt, 10, None)
+    assert sequences[0, 7:].tolist() == expected and all(type(layer) is BufferedLayer for layer in seen[-1].layers)
