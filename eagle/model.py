@@ -262,7 +262,7 @@ class EagleDraftModel(nn.Module):
                          and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
         # The base's modules, held outside the module tree: never trained, never saved.
         self._base = (base_model,)
-        self._interface: tuple = (None, None)  # (attention implementation, its function), looked up on a change
+        self._interface = lean.InterfaceLookup()
         self._rotary_table: tuple | None = None  # (cos, sin) [positions, head_dim] for decode steps
         self.refresh_shared()
 
@@ -319,12 +319,7 @@ class EagleDraftModel(nn.Module):
         layer = self.layer
         batch, n, width = hidden.shape
         kernels = lean.layer_kernels(layer, batch * n, hidden.dtype, hidden.device) if self._lean_ok else None
-        interface = None
-        if kernels is not None:
-            name = layer.self_attn.config._attn_implementation
-            if name != self._interface[0]:
-                self._interface = (name, lean.attention_interface(layer.self_attn))
-            interface = self._interface[1]
+        interface = self._interface(layer.self_attn) if kernels is not None else None
         if interface is not None:
             position_embeddings = self._rotary_rows(hidden, position_ids)
         else:

@@ -450,24 +450,12 @@ def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
         return entry["tiles"]
     if skinny.set_wide_tiles("12x2") != "12x2":
         return "16x1"
-    from selfspec.runtime.cache import crop, new_cache
-
-    prefix, vocab = 256, model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (1, prefix + WIDE_TILE_PROBE), generator=torch.Generator().manual_seed(0))
-    best = {plan: float("inf") for plan in skinny.WIDE_TILES}
+    shapes = {plan: lambda plan=plan: skinny.set_wide_tiles(plan) for plan in skinny.WIDE_TILES}
     try:
-        with torch.inference_mode():
-            cache = new_cache(model, prefix + WIDE_TILE_PROBE)
-            model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
-            for _ in range(5):
-                for plan in best:
-                    skinny.set_wide_tiles(plan)
-                    start = time.perf_counter()
-                    model(input_ids=ids[:, prefix:], cache=cache, use_cache=True)
-                    best[plan] = min(best[plan], time.perf_counter() - start)
-                    crop(cache, prefix)
+        curves = time_forwards(model, shapes, (WIDE_TILE_PROBE,), rounds=5)
     finally:
         skinny.set_wide_tiles("16x1")
+    best = {plan: curve[WIDE_TILE_PROBE] for plan, curve in curves.items()}
     chosen = min(best, key=best.__getitem__)
     _record_choice(key, {"tiles": chosen, **cpu_signature(), "tokens": WIDE_TILE_PROBE,
                          "ms": {plan: round(1000 * t, 3) for plan, t in best.items()}})
@@ -477,25 +465,35 @@ def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
 @torch.inference_mode()
 def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ...], prefix: int = 256,
                      rounds: int = 3) -> dict[str, dict[int, float]]:
-    """``{backend: {tokens: seconds}}``: the best of ``rounds`` interleaved forwards of each size over a
-    ``prefix``-token cache, rolled back after every forward (one slow moment of a busy machine decides nothing)."""
+    """``{backend: {tokens: seconds}}`` (``time_forwards`` with each backend switched on in turn); the model is left
+    on the backend it had."""
+    previous = linear_backend_of(model)
+    try:
+        return time_forwards(model, {b: lambda b=b: set_linear_backend(model, b) for b in backends}, sizes,
+                             prefix=prefix, rounds=rounds)
+    finally:
+        set_linear_backend(model, previous)
+
+
+@torch.inference_mode()
+def time_forwards(model: nn.Module, settings: dict[str, Callable[[], object]], sizes: tuple[int, ...],
+                  prefix: int = 256, rounds: int = 3) -> dict[str, dict[int, float]]:
+    """``{setting: {tokens: seconds}}``: the best of ``rounds`` interleaved forwards of each size over a
+    ``prefix``-token cache under each setting (``settings[name]()`` switches it on), rolled back after every forward
+    (one slow moment of a busy machine decides nothing). What ``auto`` measures backends and tile shapes with."""
     from selfspec.runtime.cache import crop, new_cache
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
-    previous = linear_backend_of(model)
     cache = new_cache(model, prefix + max(sizes))
     model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
-    best: dict[str, dict[int, float]] = {b: {n: float("inf") for n in sizes} for b in backends}
-    try:
-        for _ in range(rounds):
-            for backend in backends:
-                set_linear_backend(model, backend)
-                for n in sizes:
-                    start = time.perf_counter()
-                    model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
-                    best[backend][n] = min(best[backend][n], time.perf_counter() - start)
-                    crop(cache, prefix)
-    finally:
-        set_linear_backend(model, previous)
+    best: dict[str, dict[int, float]] = {name: {n: float("inf") for n in sizes} for name in settings}
+    for _ in range(rounds):
+        for name, switch in settings.items():
+            switch()
+            for n in sizes:
+                start = time.perf_counter()
+                model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
+                best[name][n] = min(best[name][n], time.perf_counter() - start)
+                crop(cache, prefix)
     return best

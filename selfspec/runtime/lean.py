@@ -133,6 +133,20 @@ def attention_interface(attn: nn.Module):
     return get_interface(name, None) if get_interface else ALL_ATTENTION_FUNCTIONS.get(name)
 
 
+class InterfaceLookup:
+    """``attention_interface(attn)`` for a layer called on every decode step, looked up again only when its
+    configured implementation changes (the lookup goes through transformers' registry on every call otherwise)."""
+
+    def __init__(self):
+        self._name, self._function = None, None
+
+    def __call__(self, attn: nn.Module):
+        name = attn.config._attn_implementation
+        if name != self._name:
+            self._name, self._function = name, attention_interface(attn)
+        return self._function
+
+
 def run_kernel(kernel, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``kernel`` (a layer's skinny kernel, from ``layer_kernels``) on rows ``x`` ``[rows, in]``, plus ``residual``
     added last."""
@@ -215,7 +229,7 @@ class _LeanForward:
         self.calls = 0
         self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
         self.skinny_linear = _skinny_linear_class()  # resolved once, not on every layer call
-        self._interface: tuple = (None, None)  # (attention implementation, its function), looked up on a change
+        self._interface = InterfaceLookup()
 
     def _fallback(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -228,12 +242,7 @@ class _LeanForward:
         rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
         kernels = layer_kernels(layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
         attn = layer.self_attn
-        interface = None
-        if kernels is not None:
-            name = attn.config._attn_implementation
-            if name != self._interface[0]:
-                self._interface = (name, attention_interface(attn))
-            interface = self._interface[1]
+        interface = self._interface(attn) if kernels is not None else None
         if (kernels is None or interface is None or position_embeddings is None or kwargs.get("output_attentions")
                 or position_embeddings[0].shape[-1] != attn.head_dim):
             # eager attention, partial rotary, anything a lean pass does not take: the layer class's own forward
@@ -274,5 +283,5 @@ class _LeanForward:
                            kwargs=kwargs)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "attention_interface", "block", "fused_block", "is_lean_kernel", "kernels_of",
-           "layer_kernels", "run_kernel", "supported", "use_lean_layers"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "InterfaceLookup", "attention_interface", "block", "fused_block", "is_lean_kernel",
+           "kernels_of", "layer_kernels", "run_kernel", "supported", "use_lean_layers"]
