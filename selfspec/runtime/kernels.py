@@ -135,7 +135,7 @@ class _SkinnyLinear(_PackedLinear):
     backend = "skinny"
 
     def _pack(self, weight, bias):
-        return skinny.pack(weight), None
+        return skinny.pack_exact(weight), None  # a GGUF model's block grid where the weights lie on one
 
     def _run(self, rows, bias):
         if rows.shape[0] > skinny.MAX_ROWS:
@@ -145,11 +145,15 @@ class _SkinnyLinear(_PackedLinear):
 
 class _SkinnyHalfLinear(_SkinnyLinear):
     """The skinny kernel over float16 panels of the weight (``skinny.pack(..., half=True)``); a weight beyond
-    float16's range (|w| > 65504) keeps float32 panels."""
+    float16's range (|w| > 65504) keeps float32 panels. A weight on a GGUF block grid (a draft head made of a Q8_0
+    model's LM-head rows) takes the grid instead: fewer bytes than float16, and its float32 values exactly."""
 
     backend = SKINNY_HALF
 
     def _pack(self, weight, bias):
+        grid = skinny.pack_grid(weight) if skinny.EXACT_GRIDS else None
+        if grid is not None:
+            return grid[1], None
         half = bool(weight.abs().max() <= torch.finfo(torch.float16).max) if weight.numel() else True
         return skinny.pack(weight, half=half), None
 

@@ -135,6 +135,121 @@ def pack(weight: torch.Tensor, half: bool = False) -> torch.Tensor:
     return extension().pack(weight.detach(), half)
 
 
+#: inputs per block of the exact grids (llama.cpp's Q4_1 and Q8_0 blocks)
+GRID_BLOCK = 32
+#: whether ``pack_exact`` may store a weight as the block grid it lies on (``False``: always float32 panels)
+EXACT_GRIDS = True
+
+
+def q4_1_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(d, m, q)`` such that ``d * q + m``, computed in float32, is ``weight`` bit for bit (``d``, ``m``: float16
+    values, one pair per 32 consecutive inputs of an output, ``[out, in / 32]``; ``q``: integers 0..15, ``[out, in]``),
+    or ``None`` where the weight is not on such a grid (every float32 checkpoint not made from a Q4_1 file).
+
+    The grid is found from the float32 values alone, as llama.cpp builds it: ``m`` is the block's minimum (its own
+    weight, q = 0) and ``d`` the float16 step nearest ``(max - m) / 15``, or one of its neighbours; every weight is
+    then checked against the rebuilt value."""
+    out_features, in_features = weight.shape
+    if in_features % GRID_BLOCK or weight.numel() == 0:
+        return None
+    blocks = weight.reshape(out_features, in_features // GRID_BLOCK, GRID_BLOCK)
+    m = blocks.amin(-1, keepdim=True)
+    if not torch.isfinite(m).all() or not torch.equal(m.half().float(), m):
+        return None
+    span = blocks.amax(-1, keepdim=True) - m
+    if not torch.isfinite(span).all() or span.max() > 15 * torch.finfo(torch.float16).max:
+        return None
+    nearest = (span / 15).half()
+    found = torch.zeros_like(m, dtype=torch.bool)
+    d, q = torch.zeros_like(m), torch.zeros_like(blocks)
+    for step in (0, 1, -1, 2, -2):  # float16 steps around the nearest
+        candidate = (nearest.view(torch.int16) + step).view(torch.float16).float()
+        if step and (candidate < 0).any():
+            candidate = candidate.clamp_min(0)
+        levels = torch.round((blocks - m) / torch.where(candidate > 0, candidate, 1.0)).clamp(0, 15)
+        hit = ((candidate * levels + m) == blocks).all(-1, keepdim=True) & ~found
+        d, q = torch.where(hit, candidate, d), torch.where(hit, levels, q)
+        found |= hit
+        if found.all():
+            return d.squeeze(-1), m.squeeze(-1), q.reshape(out_features, in_features).to(torch.uint8)
+    return None
+
+
+def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(d, q)`` such that ``d * q`` in float32 is ``weight`` bit for bit (``d``: float16 values, one per 32
+    consecutive inputs, ``[out, in / 32]``; ``q``: integers -127..127, ``[out, in]``), or ``None``. ``d`` is the
+    block's largest magnitude over 127, as llama.cpp's Q8_0 makes it."""
+    out_features, in_features = weight.shape
+    if in_features % GRID_BLOCK or weight.numel() == 0:
+        return None
+    blocks = weight.reshape(out_features, in_features // GRID_BLOCK, GRID_BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    if not torch.isfinite(d).all() or not torch.equal(d.half().float(), d):
+        return None
+    levels = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127)
+    if not torch.equal(d * levels, blocks):
+        return None
+    return d.squeeze(-1), levels.reshape(out_features, in_features).to(torch.int8)
+
+
+def _panel_rows(t: torch.Tensor, lanes: int) -> torch.Tensor:
+    """``[out, ...]`` -> ``[panels, lanes, ...]``, outputs past the end zero (a zero block rebuilds zero weights)."""
+    panels = -(-t.shape[0] // lanes)
+    padded = t.new_zeros((panels * lanes, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    return padded.view(panels, lanes, *t.shape[1:])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(*t.shape[:-1], -1)
+
+
+def pack_grid(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """``(kind, panels)`` where ``weight`` (float32 ``[out, in]``) lies exactly on a Q4_1 or Q8_0 block grid: the
+    kernel rebuilds every float32 weight bit for bit from the 5 (Q4_1) or 8.5 (Q8_0) bits a weight it streams, so
+    ``linear`` gives the float32 panels' outputs exactly, with 5.3x / 3.6x less memory traffic. ``None`` where the
+    weight is on neither grid (pack it with ``pack``)."""
+    weight = weight.detach()
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    lanes = extension().lanes()
+    grid = q4_1_grid(weight)
+    if grid is not None:
+        d, m, q = grid
+        d, m = _panel_rows(d, lanes).transpose(1, 2), _panel_rows(m, lanes).transpose(1, 2)  # [P, nb, L]
+        q = _panel_rows(q, lanes)  # [P, L, in]
+        q = q.view(*q.shape[:2], -1, GRID_BLOCK // 2, 2)  # [P, L, nb, 16, 2]
+        pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, 16, L]
+        packed = torch.cat([_as_bytes(d), _as_bytes(m), pairs.reshape(*pairs.shape[:2], -1)], dim=-1)
+        kind = "q4_1"
+    else:
+        grid = q8_0_grid(weight)
+        if grid is None:
+            return None
+        d, q = grid
+        d = _panel_rows(d, lanes).transpose(1, 2)
+        q = _panel_rows(q, lanes).view(-1, lanes, weight.shape[1] // GRID_BLOCK, GRID_BLOCK).permute(0, 2, 3, 1)
+        packed = torch.cat([_as_bytes(d), _as_bytes(q).reshape(*q.shape[:2], -1)], dim=-1)
+        kind = "q8_0"
+    if packed.shape[-1] != extension().grid_block_bytes(kind):
+        raise AssertionError(f"grid panels of {packed.shape[-1]} bytes a block for {kind}")
+    return kind, packed.contiguous()
+
+
+def pack_exact(weight: torch.Tensor) -> torch.Tensor:
+    """The fewest bytes that give the float32 panels' results exactly: the weight's block grid where it lies on
+    one (``pack_grid``; ``EXACT_GRIDS``), else float32 panels (``pack``)."""
+    grid = pack_grid(weight) if EXACT_GRIDS else None
+    return grid[1] if grid is not None else pack(weight)
+
+
+def packed_format(packed: torch.Tensor) -> str:
+    """``float32``, ``float16``, ``q4_1`` or ``q8_0``: what a packed weight holds."""
+    if packed.dtype != torch.uint8:
+        return str(packed.dtype).removeprefix("torch.")
+    return "q4_1" if packed.shape[-1] == extension().grid_block_bytes("q4_1") else "q8_0"
+
+
 _attention_dims: dict[int, bool] = {}
 
 

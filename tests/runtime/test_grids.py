@@ -1,0 +1,129 @@
+"""Exact grids (selfspec.runtime.skinny.pack_grid): float32 weights that a Q4_1 or Q8_0 GGUF file was dequantized to
+are streamed as that block grid and rebuilt on load, bit for bit. Every output must equal the float32 panels'
+exactly, a weight a single bit off the grid must keep float32 panels, and decoding stays lossless."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from selfspec.runtime import skinny
+from selfspec.runtime.kernels import set_linear_backend
+from selfspec.testing import assert_random_trees_decode_losslessly, tiny_model
+
+pytestmark = pytest.mark.xdist_group("skinny")
+
+KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def built():
+    assert skinny.available(), f"the skinny kernel did not build here: {skinny.unavailable_reason()}"
+    return skinny.extension()
+
+
+def through_gguf(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` quantized and dequantized by gguf-py, the code transformers loads GGUF files with: what a model
+    loaded from a ``kind`` file holds."""
+    array = weight.detach().float().numpy()
+    blocks = gguf_quants.quantize(array, KINDS[kind])
+    return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(blocks, KINDS[kind]))).reshape(weight.shape)
+
+
+def on_grid(model: torch.nn.Module, kind: str = "q4_1", head: str = "q8_0") -> torch.nn.Module:
+    """``model`` with every linear weight replaced by its GGUF round trip (the LM head by ``head``'s)."""
+    output = model.get_output_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(through_gguf(module.weight, head if module is output else kind))
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("out_features,in_features", [(1, 32), (17, 64), (48, 96), (100, 160)])
+def test_the_grid_of_a_gguf_weight_is_found_and_rebuilds_every_bit(built, kind, out_features, in_features):
+    gen = torch.Generator().manual_seed(out_features * 7 + in_features)
+    weight = through_gguf(torch.randn(out_features, in_features, generator=gen) * 0.05, kind)
+    if kind == "q4_1":
+        d, m, q = skinny.q4_1_grid(weight)
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15
+        rebuilt = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+        assert torch.equal(m.half().float(), m)
+    else:
+        assert skinny.q4_1_grid(weight) is None or kind == "q4_1"
+        d, q = skinny.q8_0_grid(weight)
+        assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+        rebuilt = d.repeat_interleave(32, 1) * q.float()
+    assert torch.equal(d.half().float(), d)
+    assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
+    found, packed = skinny.pack_grid(weight)
+    assert found == kind and skinny.packed_format(packed) == kind
+
+
+def test_weights_off_every_grid_keep_float32_panels(built):
+    gen = torch.Generator().manual_seed(1)
+    plain = torch.randn(64, 96, generator=gen)
+    assert skinny.pack_grid(plain) is None
+    assert skinny.packed_format(skinny.pack_exact(plain)) == "float32"
+    for kind in KINDS:
+        weight = through_gguf(plain, kind)
+        assert skinny.pack_grid(weight)[0] == kind
+        off = weight.clone()
+        off[5, 37] = torch.nextafter(off[5, 37], torch.tensor(1.0))  # one bit off the grid
+        assert skinny.pack_grid(off) is None or skinny.pack_grid(off)[0] != kind, kind
+    assert skinny.pack_grid(torch.randn(16, 40, generator=gen)) is None  # inputs not a multiple of 32
+    assert skinny.pack_grid(through_gguf(plain, "q4_1").double()) is None
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (130, 64)])
+def test_grid_panels_give_the_float32_panels_outputs_bit_for_bit(built, kind, out_features, in_features):
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = through_gguf(torch.randn(out_features, in_features, generator=gen) * 0.1, kind)
+    grid, panels = skinny.pack_grid(weight)[1], skinny.pack(weight)
+    bias = torch.randn(out_features, generator=gen)
+    for rows in [*range(1, 18), 24, 33]:  # every tile shape of both ISAs and their remainders
+        x = torch.randn(rows, in_features, generator=gen)
+        residual = torch.randn(rows, out_features, generator=gen)
+        for b, r in ((None, None), (bias, None), (bias, residual)):
+            fast, reference = skinny.linear(x, grid, out_features, b, r), skinny.linear(x, panels, out_features, b, r)
+            assert torch.equal(fast, reference), (rows, (fast - reference).abs().max())
+        torch.testing.assert_close(skinny.linear(x, grid, out_features, bias, None), x @ weight.T + bias,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_grid_weight_that_does_not_fit_the_rows_is_refused_with_its_shapes(built):
+    weight = through_gguf(torch.randn(32, 64), "q4_1")
+    _, packed = skinny.pack_grid(weight)
+    with pytest.raises(RuntimeError, match="grid-packed weight"):
+        skinny.linear(torch.randn(2, 96), packed, 32, None, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_model_runs_on_its_grids_bitwise_and_decodes_losslessly(built, arch, monkeypatch):
+    base = on_grid(tiny_model(arch, dtype=torch.float32))
+    on_panels, on_grids = copy.deepcopy(base), copy.deepcopy(base)
+    ids = torch.randint(0, base.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    sizes = (1, 5, 16)
+    with torch.inference_mode():
+        stock = base(ids).logits
+        monkeypatch.setattr(skinny, "EXACT_GRIDS", False)
+        set_linear_backend(on_panels, "skinny")
+        panels = [on_panels(ids[:, :n]).logits for n in sizes]
+        monkeypatch.setattr(skinny, "EXACT_GRIDS", True)
+        set_linear_backend(on_grids, "skinny")
+        grids = [on_grids(ids[:, :n]).logits for n in sizes]
+    formats = {m: skinny.packed_format(m.forward._weight) for m in on_grids.modules() if isinstance(m, torch.nn.Linear)}
+    assert set(formats.values()) == {"q4_1", "q8_0"} and formats[on_grids.get_output_embeddings()] == "q8_0"
+    assert {skinny.packed_format(m.forward._weight) for m in on_panels.modules()
+            if isinstance(m, torch.nn.Linear)} == {"float32"}
+    for a, b in zip(grids, panels):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(grids[-1], stock[:, :16], rtol=1e-4, atol=1e-4)
+    assert_random_trees_decode_losslessly(on_grids)
