@@ -87,12 +87,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def streamed_bytes(model: Any) -> int:
+    """Bytes ``model``'s linear layers read a forward as they run now: a layer on a packed backend reads its packed
+    weight (an exact grid streams 4.5-8.5 bits a weight, ``skinny.pack_grid``), one not yet packed or on the stock
+    path its float32 weight."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            packed = getattr(module.__dict__.get("forward"), "_weight", None)
+            dense = isinstance(packed, torch.Tensor) and packed.layout == torch.strided
+            total += packed.numel() * packed.element_size() if dense else module.weight.numel() * 4
+    return total
+
+
 def linear_floor_ms(model: Any, sizes: Sequence[int], limits: dict[str, float]) -> dict[int, float]:
     """``{tokens: ms}``: the least time that many rows can take through ``model``'s linear layers (its LM head
-    included) on a machine of ``limits``: the longer of reading every weight once and doing the multiply-adds at the
-    cores' peak (``fma_gflops``; the GEMM rate ``gflops`` where that was not measured). The rest of a forward
-    (attention, norms, dispatch) comes on top; ``selfspec cost`` prints this beside the measured curve."""
+    included) on a machine of ``limits``: the longer of reading every weight once (as stored now:
+    ``streamed_bytes``) and doing the multiply-adds at the cores' peak (``fma_gflops``; the GEMM rate ``gflops``
+    where that was not measured). The rest of a forward (attention, norms, dispatch) comes on top; ``selfspec cost``
+    prints this beside the measured curve."""
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    read_ms = weights * 4 / (limits["read_gb_s"] * 1e9) * 1e3
+    read_ms = streamed_bytes(model) / (limits["read_gb_s"] * 1e9) * 1e3
     rate = limits.get("fma_gflops") or limits["gflops"]
     return {n: max(read_ms, 2 * weights * n / (rate * 1e9) * 1e3) for n in sizes}

@@ -127,3 +127,19 @@ def test_a_gguf_model_runs_on_its_grids_bitwise_and_decodes_losslessly(built, ar
         assert torch.equal(a, b)
     torch.testing.assert_close(grids[-1], stock[:, :16], rtol=1e-4, atol=1e-4)
     assert_random_trees_decode_losslessly(on_grids)
+
+
+def test_the_cost_floor_counts_the_bytes_a_grid_streams(built, monkeypatch):
+    from selfspec.bench.cost import linear_floor_ms, streamed_bytes
+
+    model = on_grid(tiny_model("llama", dtype=torch.float32))
+    dense = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert streamed_bytes(model) == dense  # stock: float32 weights
+    monkeypatch.setattr(skinny, "EXACT_GRIDS", True)
+    set_linear_backend(model, "skinny")
+    with torch.inference_mode():
+        model(torch.zeros(1, 1, dtype=torch.long))
+    grids = streamed_bytes(model)
+    assert dense / 7 < grids < dense / 3  # Q4_1 layers (5.3x fewer bytes), a Q8_0 head (3.6x), panels padded
+    limits = {"read_gb_s": 1.0, "gflops": 1e9}
+    assert linear_floor_ms(model, [1], limits)[1] == pytest.approx(grids / 1e9 * 1e3)
