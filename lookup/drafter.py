@@ -11,6 +11,11 @@ answers of MT-bench questions 1-40 (docs/RESULTS.md, "Drafts without a model"):
   free.
 - **Several earlier occurrences disagree.** The continuations of the ``num_candidates`` latest occurrences of the
   longest match are counted into a tree (``lookup.tree.count_tree``): the ``nodes`` paths most of them share.
+
+The default budget is 8 nodes. 15 were chosen where a 16-token verification cost about what 8 did (float32
+weights, memory-bound steps); on weights streamed as their exact GGUF grid a step is bound by the multiply-adds from a
+few tokens on (8 tokens ~1.5x one token on a 2-core Xeon), and 8 nodes decoded MT-bench 1-40 at 1.60x against 1.42x
+for 15 (docs/RESULTS.md, "Exact grids"). ``lookup[nodes=15]`` restores the old tree.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class LookupDrafter(DrafterBase):
     """
 
     def __init__(self, max_ngram: int = 32, min_ngram: int = 1, num_tokens: int = 15, num_candidates: int = 8,
-                 nodes: int | None = 15, tokens_per_match: int | None = 4):
+                 nodes: int | None = 8, tokens_per_match: int | None = 4):
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
                             ("num_candidates", num_candidates), ("nodes", nodes),
                             ("tokens_per_match", tokens_per_match)):
