@@ -204,15 +204,17 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(*t.shape[:-1], -1)
 
 
-def pack_grid(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | None:
     """``(kind, panels)`` where ``weight`` (float32 ``[out, in]``) lies exactly on a Q4_1 or Q8_0 block grid: the
     kernel rebuilds every float32 weight bit for bit from the 5 (Q4_1) or 8.5 (Q8_0) bits a weight it streams, so
     ``linear`` gives the float32 panels' outputs exactly, with 5.3x / 3.6x less memory traffic. ``None`` where the
-    weight is on neither grid (pack it with ``pack``)."""
+    weight is on neither grid (pack it with ``pack``). ``module``: another build of the kernel to pack for (its
+    vector width), as the tests' AVX2 build; default this machine's."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    lanes = extension().lanes()
+    module = module if module is not None else extension()
+    lanes = module.lanes()
     grid = q4_1_grid(weight)
     if grid is not None:
         d, m, q = grid
@@ -231,7 +233,7 @@ def pack_grid(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         q = _panel_rows(q, lanes).view(-1, lanes, weight.shape[1] // GRID_BLOCK, GRID_BLOCK).permute(0, 2, 3, 1)
         packed = torch.cat([_as_bytes(d), _as_bytes(q).reshape(*q.shape[:2], -1)], dim=-1)
         kind = "q8_0"
-    if packed.shape[-1] != extension().grid_block_bytes(kind):
+    if packed.shape[-1] != module.grid_block_bytes(kind):
         raise AssertionError(f"grid panels of {packed.shape[-1]} bytes a block for {kind}")
     return kind, packed.contiguous()
 

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from selfspec.runtime import skinny
+from selfspec.runtime.io import cache_home
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.testing import assert_random_trees_decode_losslessly, tiny_model
 
@@ -96,6 +97,30 @@ def test_grid_panels_give_the_float32_panels_outputs_bit_for_bit(built, kind, ou
             assert torch.equal(fast, reference), (rows, (fast - reference).abs().max())
         torch.testing.assert_close(skinny.linear(x, grid, out_features, bias, None), x @ weight.T + bias,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_the_grid_tiles_of_the_other_vector_width_are_bitwise_too(built):
+    """On an AVX-512 machine the AVX2 tiles (8 lanes, 16 registers, their own shapes) are built and checked too: they
+    are what AVX2-only CPUs run."""
+    module = built
+    if built.lanes() == 16:
+        flags = [*skinny.cflags(), "-mno-avx512f"]
+        directory = cache_home() / "kernels" / f"skinny-{skinny.build_key()}-avx2"
+        directory.mkdir(parents=True, exist_ok=True)
+        module = skinny.compile_extension("selfspec_skinny_linear_avx2", skinny.SOURCE, flags, directory)
+    assert module.lanes() == 8
+    gen = torch.Generator().manual_seed(3)
+    for kind in KINDS:
+        for out_features, in_features in ((16, 32), (37, 96), (130, 64)):
+            weight = through_gguf(torch.randn(out_features, in_features, generator=gen) * 0.1, kind)
+            found, grid = skinny.pack_grid(weight, module)
+            panels = module.pack(weight, False)
+            assert found == kind
+            for rows in [*range(1, 18), 24, 33]:
+                x = torch.randn(rows, in_features, generator=gen)
+                bias, residual = torch.randn(out_features, generator=gen), torch.randn(rows, out_features, generator=gen)
+                assert torch.equal(module.linear(x, grid, out_features, bias, residual),
+                                   module.linear(x, panels, out_features, bias, residual)), (kind, rows)
 
 
 def test_a_grid_weight_that_does_not_fit_the_rows_is_refused_with_its_shapes(built):
