@@ -166,8 +166,9 @@ def q4_1_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
         candidate = (nearest.view(torch.int16) + step).view(torch.float16).float()
         if step and (candidate < 0).any():
             candidate = candidate.clamp_min(0)
-        levels = torch.round((blocks - m) / torch.where(candidate > 0, candidate, 1.0)).clamp(0, 15)
-        hit = ((candidate * levels + m) == blocks).all(-1, keepdim=True) & ~found
+        levels = torch.round((blocks - m) / torch.where(candidate > 0, candidate, 1.0)).clamp(0, 15) + 0.0  # no -0
+        rebuilt = candidate * levels + m  # compared bit for bit: -0.0 is not 0.0 here
+        hit = (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1, keepdim=True) & ~found
         d, q = torch.where(hit, candidate, d), torch.where(hit, levels, q)
         found |= hit
         if found.all():
@@ -186,8 +187,9 @@ def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     d = blocks.abs().amax(-1, keepdim=True) / 127
     if not torch.isfinite(d).all() or not torch.equal(d.half().float(), d):
         return None
-    levels = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127)
-    if not torch.equal(d * levels, blocks):
+    # + 0.0: a level of -0.0 would rebuild a -0.0 weight here, but it is stored as the integer 0 (+0.0 in the kernel)
+    levels = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127) + 0.0
+    if not torch.equal((d * levels).view(torch.int32), blocks.view(torch.int32)):
         return None
     return d.squeeze(-1), levels.reshape(out_features, in_features).to(torch.int8)
 

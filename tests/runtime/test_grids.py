@@ -78,6 +78,13 @@ def test_weights_off_every_grid_keep_float32_panels(built):
         off = weight.clone()
         off[5, 37] = torch.nextafter(off[5, 37], torch.tensor(1.0))  # one bit off the grid
         assert skinny.pack_grid(off) is None or skinny.pack_grid(off)[0] != kind, kind
+    with_zeros = plain.clone()
+    with_zeros[0, :32] = 0.0  # a block of zeros is on every grid (d = 0)
+    for kind in KINDS:  # a negative zero where the grid rebuilds +0.0: equal as floats, not as bits
+        signed = through_gguf(with_zeros, kind)
+        assert skinny.pack_grid(signed)[0] == kind
+        signed[0, 5] = -0.0
+        assert skinny.pack_grid(signed) is None or skinny.pack_grid(signed)[0] != kind, kind
     assert skinny.pack_grid(torch.randn(16, 40, generator=gen)) is None  # inputs not a multiple of 32
     assert skinny.pack_grid(through_gguf(plain, "q4_1").double()) is None
 
