@@ -10,8 +10,11 @@ these shapes, so the backend decides whether a 4-node tree costs 1.5x or 1.1x on
 (``torch._C._nn.mkldnn_linear``) when gradients are off; training, other dtypes and other devices keep the stock
 path. ``"skinny"`` runs them through this project's own kernel (``selfspec.runtime.skinny``, compiled for the CPU on
 first use): register-blocked for 1 to 24 rows, it streams each weight once per call and keeps every loaded weight
-vector busy for all rows, so a step of 8 tokens costs 1.1-1.4x one token (docs/RESULTS.md has the curve per
-machine; ``selfspec cost`` prints this one's). Calls with more rows (prefill) take the stock path. The parameters
+vector busy for all rows, so on float32 weights a step of 8 tokens costs 1.1-1.4x one token (docs/RESULTS.md has the
+curve per machine; ``selfspec cost`` prints this one's). A weight that lies exactly on a GGUF Q4_1 or Q8_0 block grid
+(every weight of a model loaded from such a file) is streamed as that grid and rebuilt bit for bit on load
+(``skinny.pack_exact``): the same outputs from 3.6-6.4x fewer bytes, so one token costs about half as much and a
+step becomes bound by the multiply-adds from a few tokens on. Calls with more rows (prefill) take the stock path. The parameters
 are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each layer keeps a packed copy of
 its weight, repacked when the parameter changes. ``"auto"`` measures forwards of a plain step and of the tree sizes
 drafters verify (``AUTO_SIZES``) on each available backend, keeps the fastest in total, and remembers the choice per
