@@ -16,6 +16,7 @@ from selfspec.runtime.kernels import (
     DRAFT_WEIGHTS,
     draft_backend,
     draft_weights,
+    packed_formats,
     set_draft_weights,
     set_linear_backend,
 )
@@ -51,8 +52,13 @@ def apply_backend(model, args: argparse.Namespace) -> str:
     """Put ``model`` on ``--linear-backend`` and say which backend is in effect."""
     backend = set_linear_backend(model, args.linear_backend)
     set_draft_weights(getattr(args, "draft_weights", "float16"))
+    weights = ""
+    if backend == "skinny":  # one token through the model packs every layer: say what they stream
+        with torch.inference_mode():
+            model(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+        weights = "; weights: " + ", ".join(f"{n} {f}" for f, n in packed_formats(model).items())
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else "")
-          + f"; attention: {attention_of(model)}; draft weights: {draft_backend(backend)}", flush=True)
+          + f"; attention: {attention_of(model)}; draft weights: {draft_backend(backend)}{weights}", flush=True)
     return backend
 
 

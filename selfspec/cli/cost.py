@@ -23,7 +23,7 @@ from selfspec.bench.cost import cost_curves, cpu_model, linear_floor_ms, machine
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_ints
 from selfspec.runtime import skinny
-from selfspec.runtime.kernels import BACKENDS, set_linear_backend
+from selfspec.runtime.kernels import BACKENDS, packed_formats, set_linear_backend
 from selfspec.runtime.models import load_model
 
 
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
               "ms": {str(n): ms for n, ms in curves[chosen].items()},
               "stock_ms": {str(n): ms for n, ms in curves["stock"].items()},
               "floor_ms": {str(n): ms for n, ms in floor.items()},
-              "read_gb_s": limits["read_gb_s"], "streamed_mb": streamed_bytes(model) / 1e6, "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops"),
+              "read_gb_s": limits["read_gb_s"], "streamed_mb": streamed_bytes(model) / 1e6,
+              "weights": packed_formats(model), "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops"),
               "curves": {b: {str(n): ms for n, ms in curves[b].items()} for b in backends},
               "wide_tiles": skinny.wide_tiles() if chosen == "skinny" else None}
     if args.json:
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"linear floor: the longer of reading the linear weights once ({result['streamed_mb']:.0f} MB as stored, "
           f"{limits['read_gb_s']:.0f} GB/s measured) and "
           f"their multiply-adds at {rate}; attention, norms and dispatch come on top")
-    if result["wide_tiles"]:
+    print("linear weights streamed as: " + ", ".join(f"{n} {f}" for f, n in result["weights"].items()))
+    if result["wide_tiles"] and "float32" in result["weights"]:  # the choice applies to float32 panels only
         print(f"15-16 rows run as {result['wide_tiles']} tiles (rows x weight panels; the faster shape here, "
               "measured once by `auto`)")
     return 0

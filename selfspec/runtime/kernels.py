@@ -170,6 +170,25 @@ def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
+def packed_formats(model: nn.Module) -> dict[str, int]:
+    """``{format: linear layers}`` of what ``model``'s linears stream as they run now: ``float32`` / ``float16``
+    panels, exact ``q4_1`` / ``q8_0`` grids (``skinny.pack_grid``), ``onednn`` or ``stock`` (also a layer its backend
+    has not packed yet: packing happens on a layer's first call)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            forward = module.__dict__.get("forward")
+            packed = getattr(forward, "_weight", None) if isinstance(forward, _PackedLinear) else None
+            if packed is None:
+                name = "stock"
+            elif isinstance(forward, _SkinnyLinear):
+                name = skinny.packed_format(packed)
+            else:
+                name = forward.backend
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def skinny_available() -> bool:
     """The skinny kernel builds (or is built) on this machine (``selfspec.runtime.skinny``)."""
     return skinny.available()

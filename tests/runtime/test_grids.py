@@ -175,3 +175,16 @@ def test_the_cost_floor_counts_the_bytes_a_grid_streams(built, monkeypatch):
     assert dense / 7 < grids < dense / 3  # Q4_1 layers (5.3x fewer bytes), a Q8_0 head (3.6x), panels padded
     limits = {"read_gb_s": 1.0, "gflops": 1e9}
     assert linear_floor_ms(model, [1], limits)[1] == pytest.approx(grids / 1e9 * 1e3)
+
+
+def test_packed_formats_says_what_each_linear_streams(built, monkeypatch):
+    from selfspec.runtime.kernels import packed_formats
+
+    model = on_grid(tiny_model("llama", dtype=torch.float32))
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert packed_formats(model) == {"stock": linears}
+    monkeypatch.setattr(skinny, "EXACT_GRIDS", True)
+    set_linear_backend(model, "skinny")
+    with torch.inference_mode():
+        model(torch.zeros(1, 1, dtype=torch.long))
+    assert packed_formats(model) == {"q4_1": linears - 1, "q8_0": 1}
