@@ -58,6 +58,29 @@ inline vec load_weights(const at::Half* p) {
 #endif
 }
 
+// A tile's accumulators to its outputs: + bias, then the residual added last (what `h + linear(x)` computes); the
+// last panel's outputs past M are not written.
+template <int R, int C>
+inline void store_tile(const vec (&acc)[R][C], int64_t panel, float* __restrict out, int64_t M,
+                       const float* __restrict bias, const float* __restrict residual) {
+  for (int c = 0; c < C; ++c) {
+    const int64_t m0 = (panel + c) * kLanes;
+    const int64_t width = std::min<int64_t>(kLanes, M - m0);
+    vec b{};
+    if (bias != nullptr)
+      for (int i = 0; i < width; ++i) b[i] = bias[m0 + i];
+    for (int r = 0; r < R; ++r) {
+      vec v = acc[r][c] + b;
+      if (width == kLanes) {
+        if (residual != nullptr) v = *reinterpret_cast<const vec_unaligned*>(residual + r * M + m0) + v;
+        *reinterpret_cast<vec_unaligned*>(out + r * M + m0) = v;
+      } else {
+        for (int i = 0; i < width; ++i) out[r * M + m0 + i] = residual != nullptr ? residual[r * M + m0 + i] + v[i] : v[i];
+      }
+    }
+  }
+}
+
 // One tile: rows [0, R) of x against panels [panel, panel + C), written to out (row stride M). With Prefetch, each
 // step also requests the matching line of the next C panels (the next tile's streams, contiguous after these), so
 // the next tile's weights arrive while this one computes. They are requested into L2 (locality 2), not L1: a tile's
@@ -81,22 +104,7 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict packe
       for (int c = 0; c < C; ++c) acc[r][c] += xv * w[c];
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t m0 = (panel + c) * kLanes;
-    const int64_t width = std::min<int64_t>(kLanes, M - m0);
-    vec b{};
-    if (bias != nullptr)
-      for (int i = 0; i < width; ++i) b[i] = bias[m0 + i];
-    for (int r = 0; r < R; ++r) {
-      vec v = acc[r][c] + b;
-      if (width == kLanes) {
-        if (residual != nullptr) v = *reinterpret_cast<const vec_unaligned*>(residual + r * M + m0) + v;
-        *reinterpret_cast<vec_unaligned*>(out + r * M + m0) = v;
-      } else {
-        for (int i = 0; i < width; ++i) out[r * M + m0 + i] = residual != nullptr ? residual[r * M + m0 + i] + v[i] : v[i];
-      }
-    }
-  }
+  store_tile<R, C>(acc, panel, out, M, bias, residual);
 }
 
 // A tile of n rows (0 < n <= R) against panels [panel, panel + C), the row count dispatched to its instantiation.
@@ -274,22 +282,7 @@ inline void grid_tile(const float* __restrict x, int64_t K, const uint8_t* __res
       }
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t m0 = (panel + c) * kLanes;
-    const int64_t width = std::min<int64_t>(kLanes, M - m0);
-    vec bv{};
-    if (bias != nullptr)
-      for (int i = 0; i < width; ++i) bv[i] = bias[m0 + i];
-    for (int r = 0; r < R; ++r) {
-      vec v = acc[r][c] + bv;
-      if (width == kLanes) {
-        if (residual != nullptr) v = *reinterpret_cast<const vec_unaligned*>(residual + r * M + m0) + v;
-        *reinterpret_cast<vec_unaligned*>(out + r * M + m0) = v;
-      } else {
-        for (int i = 0; i < width; ++i) out[r * M + m0 + i] = residual != nullptr ? residual[r * M + m0 + i] + v[i] : v[i];
-      }
-    }
-  }
+  store_tile<R, C>(acc, panel, out, M, bias, residual);
 }
 
 template <typename F, int C, bool Prefetch, int R>
@@ -386,59 +379,26 @@ int64_t grid_block_bytes(const std::string& kind) {
   return kind == "q4_1" ? kQ41Bytes : kQ80Bytes;
 }
 
-// linear() over grid panels (uint8, see "Exact grids" above); the format is told by the block size.
-torch::Tensor grid_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
-              "skinny_linear.linear: expected 2-D float32 CPU rows, got ", input.sizes(), " ", input.dtype());
-  const int64_t K = input.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K % kGridBlock == 0 && packed.size(1) * kGridBlock == K &&
-                  (packed.size(2) == kQ41Bytes || packed.size(2) == kQ80Bytes) && packed.size(0) * kLanes >= out_features,
-              "skinny_linear.linear: grid-packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
-              " and ", out_features, " outputs");
-  const auto x = input.contiguous();
-  const int64_t n = x.size(0), blocks = packed.size(0), M = out_features;
-  auto out = torch::empty({n, M}, x.options());
-  if (n == 0) return out;
-  c10::optional<torch::Tensor> b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b->numel() == M && b->scalar_type() == torch::kFloat32, "skinny_linear.linear: bias of ",
-                b->numel(), " elements for ", M, " outputs");
-  }
-  torch::Tensor res;
-  if (residual.has_value() && residual->defined()) {
-    res = *residual;
-    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.device().is_cpu() && res.numel() == n * M,
-                "skinny_linear.linear: residual of ", res.sizes(), " for ", n, " x ", M, " outputs");
-    res = res.contiguous();
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
-  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(8, blocks / (4 * at::get_num_threads()));
-  if (packed.size(2) == kQ41Bytes)
-    at::parallel_for(0, blocks, grain,
-                     [&](int64_t begin, int64_t end) { grid_dispatch<Q41>(xp, n, K, pp, op, M, bp, rp, begin, end); });
-  else
-    at::parallel_for(0, blocks, grain,
-                     [&](int64_t begin, int64_t end) { grid_dispatch<Q80>(xp, n, K, pp, op, M, bp, rp, begin, end); });
-  return out;
-}
-
 // rows [n, K] @ W^T (+ bias) (+ residual [n, M], added last: residual + (x W^T + b), what `h + linear(x)` computes)
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
               "skinny_linear.linear: expected 2-D float32 CPU rows, got ", input.sizes(), " ", input.dtype());
-  if (packed.scalar_type() == torch::kByte) return grid_linear(input, packed, out_features, bias, residual);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == input.size(1) &&
-                  packed.size(0) * kLanes >= out_features && packed.is_contiguous() &&
-                  (packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kHalf),
-              "skinny_linear.linear: packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
-              " and ", out_features, " outputs");
+  const bool grid = packed.scalar_type() == torch::kByte;  // an exact grid (see "Exact grids"), told by block size
+  if (grid) {
+    const int64_t K = input.size(1);
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K % kGridBlock == 0 && packed.size(1) * kGridBlock == K &&
+                    (packed.size(2) == kQ41Bytes || packed.size(2) == kQ80Bytes) &&
+                    packed.size(0) * kLanes >= out_features,
+                "skinny_linear.linear: grid-packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
+                " and ", out_features, " outputs");
+  } else {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == input.size(1) &&
+                    packed.size(0) * kLanes >= out_features && packed.is_contiguous() &&
+                    (packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kHalf),
+                "skinny_linear.linear: packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
+                " and ", out_features, " outputs");
+  }
   const auto x = input.contiguous();
   const int64_t n = x.size(0), K = x.size(1), blocks = packed.size(0), M = out_features;
   auto out = torch::empty({n, M}, x.options());
@@ -461,7 +421,15 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, blocks / (4 * at::get_num_threads()));
-  if (packed.scalar_type() == torch::kHalf) {
+  if (grid && packed.size(2) == kQ41Bytes) {
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, grain,
+                     [&](int64_t begin, int64_t end) { grid_dispatch<Q41>(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  } else if (grid) {
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, grain,
+                     [&](int64_t begin, int64_t end) { grid_dispatch<Q80>(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  } else if (packed.scalar_type() == torch::kHalf) {
     const at::Half* pp = packed.data_ptr<at::Half>();
     at::parallel_for(0, blocks, grain,
                      [&](int64_t begin, int64_t end) { dispatch(xp, n, K, pp, op, M, bp, rp, begin, end); });
