@@ -128,105 +128,124 @@ class EagleDrafter(DrafterBase):
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.draft.logits(out).float(), dim=-1)
 
+    def _top(self, out: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """The ``k`` best draft columns below each output row ``out`` ``[rows, hidden]`` and their log-probabilities,
+        as Python lists (the tree is grown on a few dozen numbers: list arithmetic costs less than tensor ops)."""
+        top = self._log_probs(out).topk(min(k, self.draft.draft_vocab.numel()), dim=-1)
+        return top.values.tolist(), top.indices.tolist()
+
     def _grow(self, prefix: int) -> DraftTree:
-        policy, device = self.policy, self.last.device
-        vocab = self.draft.draft_vocab
+        policy = self.policy
         if self.template is not None:
             return self._grow_static(prefix)
         depth, nodes, top_k, width = policy.depth, policy.nodes, policy.top_k, policy.width
-        k0 = min(top_k if depth > 1 else nodes, nodes, vocab.numel())
-        top = self._log_probs(self.last[0]).topk(k0, dim=-1)  # [1, k0]
-        scores = [top.values[0].double().cpu()]
-        columns = [top.indices[0]]
-        parents = [torch.full((k0,), -1, dtype=torch.long)]
-        frontier = torch.arange(k0)  # global node ids of the last level
-        frontier_scores = scores[0]
-        count = k0
-        slot_of: dict[int, int] = {}
-        states_of: dict[int, torch.Tensor] = {}
-        ancestors = torch.zeros(depth * width, depth * width, dtype=torch.bool, device=device)
-        written = 0
+        k0 = min(top_k if depth > 1 else nodes, nodes, self.draft.draft_vocab.numel())
+        values, columns = self._top(self.last[0], k0)
+        # every grown node: its path score (summed draft log-probabilities), draft column, parent (-1: the root)
+        # and depth; node ids are list positions, parents before children
+        scores, columns = values[0], columns[0]
+        parents, levels = [-1] * len(scores), [1] * len(scores)
+        frontier = list(range(len(scores)))  # the last level's nodes
+        grown = _Grown()
         log_threshold = math.log(policy.threshold) if policy.threshold > 0 else -math.inf
+        out = None
         for level in range(1, depth):
-            if float(frontier_scores.max()) < log_threshold:
+            frontier_scores = [scores[i] for i in frontier]
+            if max(frontier_scores) < log_threshold:
                 break
-            keep = frontier_scores.topk(min(width, len(frontier))).indices
-            expand = frontier[keep]  # global ids
-            rows = len(expand)
-            tokens = vocab[torch.cat(columns)[expand.to(device)]]
-            out, written = self._expand(prefix, level, expand.tolist(), torch.cat(parents)[expand].tolist(), tokens,
-                                        slot_of, states_of, ancestors, written)
-            top = self._log_probs(out[0]).topk(min(top_k, vocab.numel()), dim=-1)  # [rows, k]
-            child_scores = (torch.cat(scores)[expand][:, None] + top.values.double().cpu()).reshape(-1)
-            k = top.values.shape[1]
-            scores.append(child_scores)
-            columns.append(top.indices.reshape(-1))
-            parents.append(expand.repeat_interleave(k))
-            frontier = torch.arange(count, count + rows * k)
-            frontier_scores = child_scores
-            count += rows * k
-        level_of = torch.cat([torch.full((len(s),), d + 1) for d, s in enumerate(scores)])
-        score = torch.cat(scores).clamp_min(_MIN_LOG_PROB) - level_of.double() * _DEPTH_TIE_BREAK
-        keep = score.topk(min(nodes, count)).indices.sort().values  # parents before children
-        new_index = torch.full((count,), -1, dtype=torch.long)
-        new_index[keep] = torch.arange(len(keep))
-        old_parents = torch.cat(parents)[keep]
-        tree_parents = torch.where(old_parents >= 0, new_index[old_parents.clamp_min(0)], old_parents)
-        ids = vocab[torch.cat(columns)[keep.to(device)]]
-        return DraftTree(ids.cpu(), tree_parents)
+            # the ``width`` best paths, best first (ties: the earlier node)
+            best = sorted(range(len(frontier)), key=frontier_scores.__getitem__, reverse=True)[:width]
+            expand = [frontier[j] for j in best]
+            out = self._expand(prefix, level, expand, [parents[i] for i in expand], [columns[i] for i in expand],
+                               grown, out)
+            values, children = self._top(out[0], top_k)
+            frontier = []
+            for node, row_values, row_columns in zip(expand, values, children):
+                base = scores[node]
+                for value, column in zip(row_values, row_columns):
+                    frontier.append(len(scores))
+                    scores.append(base + value)
+                    columns.append(column)
+                    parents.append(node)
+                    levels.append(level + 1)
+        ranked = [max(score, _MIN_LOG_PROB) - level * _DEPTH_TIE_BREAK for score, level in zip(scores, levels)]
+        keep = sorted(sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes])  # parents first
+        new_index = {old: new for new, old in enumerate(keep)}
+        vocab = self.draft.draft_vocab
+        ids = vocab[torch.tensor([columns[i] for i in keep], device=vocab.device)]
+        return DraftTree(ids.cpu(), torch.tensor([new_index.get(parents[i], -1) for i in keep], dtype=torch.long))
 
-    def _expand(self, prefix: int, level: int, nodes: list[int], parents: list[int], tokens: torch.Tensor,
-                slot_of: dict[int, int], states_of: dict[int, torch.Tensor], ancestors: torch.Tensor,
-                written: int) -> tuple[torch.Tensor, int]:
-        """One draft step over ``nodes`` (their ``tokens``, children of ``parents``, -1 = the root) at depth
-        ``level``: each reads its parent's output and sees the verified prefix plus its own ancestors' entries.
-        Records each node's KV slot and output; returns the outputs ``[1, rows, hidden]`` and the slots written."""
+    def _expand(self, prefix: int, level: int, nodes: list[int], parents: list[int], columns: list[int],
+                grown: "_Grown", previous: torch.Tensor | None) -> torch.Tensor:
+        """One draft step over ``nodes`` (draft ``columns``, children of ``parents``; -1 = the root) at depth
+        ``level``: each reads its parent's output (the root's: ``self.last``; any other: its row of the step that
+        drafted it, ``previous`` ``[1, rows, hidden]``) and sees the verified prefix plus its own ancestors' entries.
+        Returns the outputs ``[1, rows, hidden]``; ``grown`` records each node's KV slot, output row and ancestors."""
         device, rows = self.last.device, len(nodes)
-        for r, (node, parent) in enumerate(zip(nodes, parents)):
-            slot = written + r
-            if parent >= 0:
-                ancestors[slot] = ancestors[slot_of[parent]]
-            ancestors[slot, slot] = True
-            slot_of[node] = slot
-        written += rows
-        mask = torch.cat([torch.ones(rows, prefix, dtype=torch.bool, device=device),
-                          ancestors[written - rows:written, :written]], dim=1)
-        hidden = torch.cat([self.last[0] if p < 0 else states_of[p] for p in parents])[None]
-        positions = torch.full((1, rows), prefix + level - 1, dtype=torch.long, device=device)
-        out = self.draft.step(hidden, tokens[None], positions, mask[None, None], self.cache)
+        written = grown.written
+        visible = []  # per node: which of the draft entries written so far (and its own) it sees
+        for node, parent in zip(nodes, parents):
+            seen = list(grown.sees[parent]) if parent >= 0 else []
+            seen.append(written + len(visible))
+            visible.append(seen)
+            grown.sees[node] = seen
+        grown.written = end = written + rows
+        mask = torch.ones(1, 1, rows, prefix + end, dtype=torch.bool, device=device)
+        draft_part = torch.zeros(rows, end, dtype=torch.bool)
+        for r, seen in enumerate(visible):
+            draft_part[r, seen] = True
+        mask[0, 0, :, prefix:] = draft_part
+        if parents[0] < 0:  # the first level: every parent is the root
+            hidden = self.last[0].expand(rows, -1)[None]
+        else:
+            index = torch.tensor([grown.row[p] for p in parents], device=device)
+            hidden = previous.index_select(1, index)
         for r, node in enumerate(nodes):
-            states_of[node] = out[0, r:r + 1]
-        return out, written
+            grown.row[node] = r
+        vocab = self.draft.draft_vocab
+        tokens = vocab[torch.tensor(columns, device=vocab.device)].to(device)
+        positions = torch.full((1, rows), prefix + level - 1, dtype=torch.long, device=device)
+        return self.draft.step(hidden.contiguous(), tokens[None], positions, mask, self.cache)
 
     def _grow_static(self, prefix: int) -> DraftTree:
         """A static tree: node ``i`` holds the rank-``template.rank[i]`` child of its parent."""
-        template, device = self.template, self.last.device
+        template = self.template
         vocab = self.draft.draft_vocab
         n = len(template)
         parents = template.parents.tolist()
         ranks = template.rank.tolist()
         depths = template.depth.tolist()
-        tokens = torch.zeros(n, dtype=torch.long)
+        columns = [0] * n
         # ranked[i + 1]: the ranked candidate columns below node i (0: below the root)
-        ranked: dict[int, torch.Tensor] = {0: self._log_probs(self.last[0])[0].topk(template.max_rank).indices}
+        ranked: dict[int, list[int]] = {0: self._top(self.last[0], template.max_rank)[1][0]}
         has_children = {p for p in parents if p >= 0}
-        slot_of: dict[int, int] = {}
-        states_of: dict[int, torch.Tensor] = {}
-        written = 0
-        ancestors = torch.zeros(n, n, dtype=torch.bool, device=device)
+        grown = _Grown()
+        out = None
         for level in range(1, template.max_depth + 1):
             level_nodes = [i for i in range(n) if depths[i] == level]
             for i in level_nodes:
-                tokens[i] = vocab[ranked[parents[i] + 1][ranks[i]]]
+                columns[i] = ranked[parents[i] + 1][ranks[i]]
             expand = [i for i in level_nodes if i in has_children]
             if not expand:
                 break
-            out, written = self._expand(prefix, level, expand, [parents[i] for i in expand], tokens[expand].to(device),
-                                        slot_of, states_of, ancestors, written)
-            top = self._log_probs(out[0]).topk(template.max_rank, dim=-1).indices
+            out = self._expand(prefix, level, expand, [parents[i] for i in expand], [columns[i] for i in expand],
+                               grown, out)
+            below = self._top(out[0], template.max_rank)[1]
             for r, i in enumerate(expand):
-                ranked[i + 1] = top[r]
-        return template.with_tokens(tokens)
+                ranked[i + 1] = below[r]
+        return template.with_tokens(vocab[torch.tensor(columns, device=vocab.device)].cpu())
+
+
+class _Grown:
+    """A growing tree's draft entries: how many are written behind the verified prefix, which of them each expanded
+    node sees (its ancestors' and its own, by slot), and each node's row in the step that expanded it."""
+
+    __slots__ = ("written", "sees", "row")
+
+    def __init__(self):
+        self.written = 0
+        self.sees: dict[int, list[int]] = {}
+        self.row: dict[int, int] = {}
 
 
 def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **options) -> EagleDrafter:

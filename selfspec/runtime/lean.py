@@ -26,8 +26,11 @@ with transformers 5.25 or later (``MIN_TRANSFORMERS``).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfspec.runtime import skinny
@@ -83,12 +86,24 @@ def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
             layer.forward = layer.__dict__.setdefault(_LEAN, _LeanForward(layer))
         elif isinstance(layer.__dict__.get("forward"), _LeanForward):
             del layer.forward
+    decoder = model.get_decoder() if layers else None
+    if decoder is not None and getattr(model.config, "model_type", None) in STACK_MODEL_TYPES:
+        if enabled:
+            decoder.forward = decoder.__dict__.setdefault(_LEAN, _LeanStack(decoder, layers))
+        elif isinstance(decoder.__dict__.get("forward"), _LeanStack):
+            del decoder.forward
     return len(layers) if enabled else 0
 
 
 #: Whether a lean layer whose cache is a ``BufferedLayer`` and whose attention is the skinny kernel runs as one
 #: extension call (``skinny.decoder_layer``); False keeps the twelve-call ``block`` (the same result, bitwise).
 FUSED_LAYERS = True
+#: Whether a decoder whose every layer would take that one call runs its whole stack as one call
+#: (``skinny.DecoderStack``: the same per-layer calls in C++, bitwise the same result); needs ``FUSED_LAYERS``.
+FUSED_STACK = True
+#: Decoders whose forward ``_LeanStack`` mirrors (one full-attention mask for every layer: Mistral and Qwen2 may mix
+#: in sliding-window layers, and keep the per-layer path).
+STACK_MODEL_TYPES = ("llama",)
 
 
 def _skinny_linear_class():
@@ -281,6 +296,133 @@ class _LeanForward:
             return None
         return fused_block(self.layer, kernels, residual, batch, n, position_embeddings, attention_mask, layers[index],
                            kwargs=kwargs)
+
+
+class _LeanStack:
+    """A Llama decoder's (``LlamaModel``) ``forward`` that runs all its layers as one extension call
+    (``skinny.DecoderStack``) where each layer would run as one (``fused_block``): a decode step's few rows, every
+    layer lean with its linears packed as they are now, a buffered cache (``selfspec.runtime.cache``) and the skinny
+    attention kernel. The embedding, position ids, mask (transformers' ``create_causal_mask``), rotary embedding and
+    final norm are the model's own, as its forward computes them; the layers are the same calls as the per-layer
+    path's, so logits, cache entries and hidden states (``output_hidden_states=True``: the embeddings, every layer's
+    output, the normed last one) are bitwise that path's. Anything else (prefill beyond ``skinny.MAX_ROWS`` rows,
+    gradients, ``inputs_embeds``, attentions, hidden states selected by index, another cache) runs the class's own
+    forward. ``calls`` counts the calls it took itself."""
+
+    def __init__(self, decoder: nn.Module, layers: list[nn.Module]):
+        self.decoder, self.layers = decoder, list(layers)
+        self.calls = 0
+        self.skinny_linear = _skinny_linear_class()
+        self._interface = InterfaceLookup()
+        self._pairs: list = []  # (linear module, its kernel, weight, version) the stack was built from
+        self._stack = None
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self._mask_function = getattr(sys.modules.get(type(decoder).__module__), "create_causal_mask", None)
+
+    def _fallback(self, *args, **kwargs):
+        return type(self.decoder).forward(self.decoder, *args, **kwargs)
+
+    def _current_stack(self):
+        """The extension's stack over the layers' kernels as they are now (rebuilt when a kernel repacked, a
+        weight was replaced or changed in place, or a layer left the skinny kernel); None where a layer cannot run
+        lean now."""
+        pairs = self._pairs
+        if pairs:
+            for module, kernel, weight, version in pairs:
+                if (module.__dict__.get("forward") is not kernel or module._parameters["weight"] is not weight
+                        or _version_of(weight) != version):
+                    break
+            else:
+                return self._stack
+        per_layer = [kernels_of(_linears(layer), self.skinny_linear) for layer in self.layers]
+        if any(k is None for k in per_layer):
+            self._pairs, self._stack = [], None
+            return None
+        pairs, packed, biases, widths = [], [], [], []
+        for kernels in per_layer:
+            modules = [k.module for k in kernels]
+            pairs += [(m, k, m._parameters["weight"], _version_of(m._parameters["weight"]))
+                      for m, k in zip(modules, kernels)]
+            packed.append([k._weight for k in kernels])
+            biases.append([m._parameters.get("bias") for m in modules])
+            widths.append([m.out_features for m in modules])
+        layers = self.layers
+        self._stack = skinny.extension().DecoderStack(
+            [layer.input_layernorm.weight for layer in layers],
+            [float(layer.input_layernorm.variance_epsilon) for layer in layers], packed, biases, widths,
+            [float(layer.self_attn.scaling) for layer in layers],
+            [layer.post_attention_layernorm.weight for layer in layers],
+            [float(layer.post_attention_layernorm.variance_epsilon) for layer in layers], self.head_dim)
+        self._pairs = pairs
+        return self._stack
+
+    def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
+                 use_cache: bool | None = None, **kwargs):
+        out = None
+        if FUSED_STACK and FUSED_LAYERS and input_ids is not None and inputs_embeds is None and use_cache is not False \
+                and set(kwargs) <= _STACK_KWARGS and kwargs.get("output_hidden_states") in (None, False, True) \
+                and kwargs.get("return_dict", True) and not kwargs.get("output_attentions"):
+            out = self._run(input_ids, attention_mask, position_ids, cache, bool(kwargs.get("output_hidden_states")))
+        if out is None:
+            return self._fallback(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return out
+
+    def _run(self, input_ids, attention_mask, position_ids, cache, want_hidden: bool):
+        decoder = self.decoder
+        if torch.is_grad_enabled() or decoder.training or input_ids.dim() != 2 or self._mask_function is None:
+            return None
+        batch, n = input_ids.shape
+        if not 0 < batch * n <= skinny.MAX_ROWS:
+            return None
+        held = getattr(cache, "layers", None)
+        if held is None or len(held) != len(self.layers):
+            return None
+        first = held[0]
+        if type(first) is not BufferedLayer or first.keys is None or first._key_buffer is None:
+            return None
+        length = first.keys.shape[-2]
+        for layer in held:
+            if (type(layer) is not BufferedLayer or layer._key_buffer is None or layer.keys is None
+                    or layer.keys.shape[-2] != length or layer._key_buffer.shape[0] != batch):
+                return None
+        if self._interface(self.layers[0].self_attn) is not skinny_attention:
+            return None
+        stack = self._current_stack()
+        if stack is None:
+            return None
+        embeds = decoder.embed_tokens(input_ids)
+        if embeds.dtype != torch.float32 or embeds.device.type != "cpu":
+            return None
+        if position_ids is None:  # as the model's forward numbers them
+            position_ids = (torch.arange(n, device=embeds.device) + length).unsqueeze(0)
+        mask = self._mask_function(config=decoder.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                   cache=cache, position_ids=position_ids)
+        end = length + n
+        if not skinny_attention_takes(batch, n, end, self.head_dim, mask, 0.0, None):
+            return None
+        for layer in held:
+            layer._reserve(end, layer.keys, layer.values)
+        keys = [layer._key_buffer for layer in held]
+        values = [layer._value_buffer for layer in held]
+        cos, sin = _rows_of(decoder.rotary_emb(embeds, position_ids=position_ids), self.head_dim)
+        outputs = skinny.decoder_stack(stack, embeds.reshape(batch * n, -1).contiguous(), cos, sin, keys, values,
+                                       length, mask, want_hidden)
+        for layer, k, v in zip(held, keys, values):
+            layer.keys, layer.values = k.narrow(2, 0, end), v.narrow(2, 0, end)
+        self.calls += 1
+        last = decoder.norm(outputs[-1])
+        hidden_states = (embeds, *outputs[:-1], last) if want_hidden else None
+        return BaseModelOutputWithPast(last_hidden_state=last, cache=cache, hidden_states=hidden_states)
+
+
+_STACK_KWARGS = frozenset({"output_hidden_states", "return_dict", "output_attentions"})
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "InterfaceLookup", "attention_interface", "block", "fused_block", "is_lean_kernel",

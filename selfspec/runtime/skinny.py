@@ -206,6 +206,27 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(*t.shape[:-1], -1)
 
 
+def _grid_panels(kind: str, d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor, module) -> torch.Tensor:
+    """The kernel's grid layout (uint8 ``[panels, in / 32, block bytes]``) of ``d`` (and ``m``) ``[out, in / 32]``
+    (float16 values, stored as float32) and ``q`` ``[out, in]`` levels (uint8 0..15 for ``q4_1``, int8 for
+    ``q8_0``)."""
+    lanes = module.lanes()
+    out_features, in_features = q.shape
+    d = _panel_rows(d.float(), lanes).transpose(1, 2)  # [P, nb, L]
+    if kind == "q4_1":
+        m = _panel_rows(m.float(), lanes).transpose(1, 2)
+        q = _panel_rows(q, lanes)  # [P, L, in]
+        q = q.view(*q.shape[:2], -1, GRID_BLOCK // 2, 2)  # [P, L, nb, 16, 2]
+        pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, 16, L]
+        packed = torch.cat([_as_bytes(d), _as_bytes(m), pairs.reshape(*pairs.shape[:2], -1)], dim=-1)
+    else:
+        q = _panel_rows(q, lanes).view(-1, lanes, in_features // GRID_BLOCK, GRID_BLOCK).permute(0, 2, 3, 1)
+        packed = torch.cat([_as_bytes(d), _as_bytes(q).reshape(*q.shape[:2], -1)], dim=-1)
+    if packed.shape[-1] != module.grid_block_bytes(kind):
+        raise AssertionError(f"grid panels of {packed.shape[-1]} bytes a block for {kind}")
+    return packed.contiguous()
+
+
 def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | None:
     """``(kind, panels)`` where ``weight`` (float32 ``[out, in]``) lies exactly on a Q4_1 or Q8_0 block grid: the
     kernel rebuilds every float32 weight bit for bit from the 5 (Q4_1) or 8.5 (Q8_0) bits a weight it streams, so
@@ -216,28 +237,62 @@ def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | N
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     module = module if module is not None else extension()
-    lanes = module.lanes()
     grid = q4_1_grid(weight)
     if grid is not None:
         d, m, q = grid
-        d, m = _panel_rows(d, lanes).transpose(1, 2), _panel_rows(m, lanes).transpose(1, 2)  # [P, nb, L]
-        q = _panel_rows(q, lanes)  # [P, L, in]
-        q = q.view(*q.shape[:2], -1, GRID_BLOCK // 2, 2)  # [P, L, nb, 16, 2]
-        pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, 16, L]
-        packed = torch.cat([_as_bytes(d), _as_bytes(m), pairs.reshape(*pairs.shape[:2], -1)], dim=-1)
-        kind = "q4_1"
-    else:
-        grid = q8_0_grid(weight)
-        if grid is None:
-            return None
-        d, q = grid
-        d = _panel_rows(d, lanes).transpose(1, 2)
-        q = _panel_rows(q, lanes).view(-1, lanes, weight.shape[1] // GRID_BLOCK, GRID_BLOCK).permute(0, 2, 3, 1)
-        packed = torch.cat([_as_bytes(d), _as_bytes(q).reshape(*q.shape[:2], -1)], dim=-1)
-        kind = "q8_0"
-    if packed.shape[-1] != module.grid_block_bytes(kind):
-        raise AssertionError(f"grid panels of {packed.shape[-1]} bytes a block for {kind}")
-    return kind, packed.contiguous()
+        return "q4_1", _grid_panels("q4_1", d, m, q, module)
+    grid = q8_0_grid(weight)
+    if grid is None:
+        return None
+    d, q = grid
+    return "q8_0", _grid_panels("q8_0", d, None, q, module)
+
+
+#: what ``quantize`` rounds a weight to (lossy: for drafters' layers only)
+GRIDS = ("q8_0", "q4_1")
+
+
+def quantize(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(d, m, q)``: ``weight`` (float ``[out, in]``, ``in`` a multiple of 32) rounded to the nearest point of a
+    ``kind`` block grid, as llama.cpp quantizes (``q8_0``: ``d`` the block's largest magnitude over 127, ``m``
+    ``None``; ``q4_1``: ``m`` the block's minimum, ``d`` its span over 15), the levels rounded against the float16
+    ``d`` and ``m`` that are stored. Lossy, unlike ``pack_grid``: for a draft's own layers, whose weights can change
+    what is accepted but never what is output.
+
+    Raises:
+        ValueError: an unknown kind, or ``in`` not a multiple of 32.
+    """
+    if kind not in GRIDS:
+        raise ValueError(f"unknown grid {kind!r}; choose one of {', '.join(GRIDS)}")
+    out_features, in_features = weight.shape
+    if in_features % GRID_BLOCK:
+        raise ValueError(f"a {kind} grid needs inputs in blocks of {GRID_BLOCK}; this weight has {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // GRID_BLOCK, GRID_BLOCK)
+    if kind == "q8_0":
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        q = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127)
+        return d.squeeze(-1).half(), None, q.reshape(out_features, in_features).to(torch.int8)
+    m = blocks.amin(-1, keepdim=True).half().float()
+    d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((blocks - m) / torch.where(d > 0, d, 1.0)).clamp(0, 15)
+    return d.squeeze(-1).half(), m.squeeze(-1).half(), q.reshape(out_features, in_features).to(torch.uint8)
+
+
+def dequantize(d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` a grid ``(d, m, q)`` rebuilds (``d * q + m``, as the kernel computes it)."""
+    out_features, in_features = q.shape
+    levels = q.float().view(out_features, -1, GRID_BLOCK)
+    rebuilt = d.float()[..., None] * levels
+    if m is not None:
+        rebuilt = rebuilt + m.float()[..., None]
+    return rebuilt.reshape(out_features, in_features)
+
+
+def pack_quantized(weight: torch.Tensor, kind: str, module=None) -> torch.Tensor:
+    """``weight`` rounded to a ``kind`` grid (``quantize``) in the kernel's grid layout: ``linear`` then computes with
+    exactly ``dequantize(*quantize(weight, kind))``."""
+    d, m, q = quantize(weight, kind)
+    return _grid_panels(kind, d, m, q, module if module is not None else extension())
 
 
 def pack_exact(weight: torch.Tensor) -> torch.Tensor:
@@ -313,6 +368,16 @@ def decoder_layer(hidden: torch.Tensor, norm1: torch.Tensor, eps1: float, packed
     return (_module if _module is not None else extension()).decoder_layer(
         hidden, norm1, eps1, packed, biases, out_features, cos, sin, head_dim, key_buffer, value_buffer, length,
         mask, scale, norm2, eps2, normed)
+
+
+def decoder_stack(stack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_buffers: list[torch.Tensor],
+                  value_buffers: list[torch.Tensor], length: int, mask: torch.Tensor | None,
+                  all_outputs: bool) -> list[torch.Tensor]:
+    """Every layer of ``stack`` (an extension ``DecoderStack``: the per-layer constants of ``decoder_layer``, held in
+    C++) in turn over ``hidden [batch * n, hidden]``, as that many ``decoder_layer`` calls would run them, bitwise:
+    layer ``i`` writes its keys and values into ``key_buffers[i]`` / ``value_buffers[i]`` after their ``length``
+    entries. Returns every layer's output ``[batch, n, hidden]`` (``all_outputs``) or the last one's alone."""
+    return stack.run(hidden, cos, sin, key_buffers, value_buffers, length, mask, all_outputs)
 
 
 #: The tile shapes for 15-16 rows the kernel can use (``set_wide_tiles``), by name.

@@ -263,9 +263,10 @@ def test_vanilla_on_the_project_kernels_uses_the_decoders_cache_and_stock_keeps_
     expected = model.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 7:].tolist()
     set_linear_backend(model, "skinny")
     seen, fused = [], []
-    real_generate, real_layer = model.generate, skinny.decoder_layer
+    real_generate, real_layer, real_stack = model.generate, skinny.decoder_layer, skinny.decoder_stack
     monkeypatch.setattr(model, "generate", lambda *a, **k: seen.append(k.get("cache")) or real_generate(*a, **k))
     monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or real_layer(h, *a))
+    monkeypatch.setattr(skinny, "decoder_stack", lambda s, h, *a: fused.append(h.shape[0]) or real_stack(s, h, *a))
     settings = GenSettings(max_new_tokens=10)
     assert parse_method("vanilla").generate(model, prompt, settings).tokens == expected
     assert all(type(layer) is BufferedLayer for layer in seen[-1].layers) and fused

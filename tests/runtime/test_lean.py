@@ -100,6 +100,7 @@ def test_a_fused_layer_is_the_lean_layer_bitwise(arch, monkeypatch):
 
     model = tiny_model(arch, dtype=torch.float32, head_dim=64)
     set_linear_backend(model, "skinny")
+    monkeypatch.setattr(lean, "FUSED_STACK", False)  # the per-layer call (the whole stack's: the next test)
     fused = []
     layer_call = skinny.decoder_layer
     monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or layer_call(h, *a))
@@ -135,3 +136,85 @@ def test_a_fused_layer_is_the_lean_layer_bitwise(arch, monkeypatch):
     for prompt, row in zip(prompts, out.sequences):
         assert row.tolist() == model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8).tolist()
     assert any(rows == 2 for rows in fused)  # the batch's one-token steps, two rows, went through it
+
+
+def stack_calls(model) -> int:
+    forward = model.model.__dict__.get("forward")
+    return forward.calls if forward is not None else 0
+
+
+def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
+    """A Llama decoder whose every layer would run as one extension call runs all of them as one
+    (``skinny.DecoderStack``): logits, every hidden state and the cache entries equal the per-layer calls' bit for
+    bit, for one token, a masked tree, a chain after a rollback and a left-padded batch; decoding stays lossless;
+    what it does not take (a long prefill, gradients, hidden states selected by index, transformers' own cache,
+    a weight changed in place until repacked) goes the per-layer way or is repacked."""
+    from transformers import DynamicCache
+
+    from decoding.generate import verify_forward
+    from decoding.tree import DraftTree
+    from selfspec.runtime import lean
+    from selfspec.runtime.cache import crop, keep_accepted, new_cache
+
+    model = tiny_model("llama", dtype=torch.float32, head_dim=64)
+    set_linear_backend(model, "skinny")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (1, 14), generator=gen)
+    tree = DraftTree(torch.randint(0, 96, (7,), generator=gen), torch.tensor([-1, 0, 0, 1, 3, 2, -1]))
+
+    def run(enabled: bool):
+        monkeypatch.setattr(lean, "FUSED_STACK", enabled)
+        cache = new_cache(model, 40)
+        outs = []
+        with torch.inference_mode():
+            model(ids[:, :10], cache=cache, use_cache=True)
+            one = model(ids[:, 10:11], cache=cache, use_cache=True, output_hidden_states=True)
+            outs += [one.logits, *one.hidden_states]
+            crop(cache, 10)
+            step = verify_forward(model, cache, int(ids[0, 10]), tree, output_hidden_states=True)
+            outs += [step.logits, *step.hidden_states]
+            keep_accepted(cache, 10, [0, 1, 3])
+            chain = model(ids[:, 11:14], cache=cache, use_cache=True,
+                          attention_mask=torch.ones(1, 17, dtype=torch.long))
+            outs += [chain.logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return outs
+
+    before = stack_calls(model)
+    per_layer = run(False)
+    assert stack_calls(model) == before
+    whole = run(True)
+    assert stack_calls(model) == before + 3  # the one-token step, the tree, the chain after the rollback
+    assert len(per_layer) == len(whole) and all(torch.equal(a, b) for a, b in zip(per_layer, whole))
+
+    calls = stack_calls(model)
+    with torch.inference_mode():
+        cache = new_cache(model, 64)
+        model(torch.randint(0, 96, (1, skinny.MAX_ROWS + 1), generator=gen), cache=cache, use_cache=True)
+        model(ids[:, :1], cache=cache, use_cache=True, output_hidden_states=[2])  # selected by index
+        model(ids[:, :3], cache=DynamicCache(config=model.config), use_cache=True)
+    model(ids[:, :3], cache=new_cache(model, 8), use_cache=True).logits.sum().backward()  # gradients
+    assert stack_calls(model) == calls
+
+    def step_logits():
+        cache = new_cache(model, 16)
+        with torch.inference_mode():
+            model(ids[:, :4], cache=cache, use_cache=True)
+            return model(ids[:, 4:5], cache=cache, use_cache=True).logits
+
+    kept = step_logits()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(0.5)  # in place: the stack is rebuilt on the repacked weight
+    changed = step_logits()
+    monkeypatch.setattr(lean, "FUSED_STACK", False)
+    assert torch.equal(changed, step_logits()) and not torch.equal(kept, changed)
+    monkeypatch.setattr(lean, "FUSED_STACK", True)
+
+    assert_random_trees_decode_losslessly(model)
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 9)]
+    calls = stack_calls(model)
+    out = generate_batch(model, None, prompts, max_new_tokens=8, eos_token_id=None)  # left-padded: masked rows
+    for prompt, row in zip(prompts, out.sequences):
+        assert row.tolist() == model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8).tolist()
+    assert stack_calls(model) > calls
+    set_linear_backend(model, "stock")
+    assert "forward" not in model.model.__dict__

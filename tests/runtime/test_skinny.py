@@ -248,6 +248,9 @@ def test_skinny_backend_attention_runs_few_query_forwards_and_stays_lossless(bui
     # a Llama layer runs the kernel inside its one fused call (selfspec.runtime.lean): rows / batch queries
     monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: queries.append(h.shape[0] // a[8].shape[0])
                         or layer(h, *a))
+    stack = skinny.decoder_stack  # and a Llama decoder runs all its layers as one call: rows / batch queries
+    monkeypatch.setattr(skinny, "decoder_stack", lambda s, h, c, sn, keys, *a: queries.append(h.shape[0] // keys[0].shape[0])
+                        or stack(s, h, c, sn, keys, *a))
     assert_random_trees_decode_losslessly(model)
     assert queries and max(queries) <= 7 and 1 in queries and any(n > 1 for n in queries)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]  # the second is left-padded: a masked batch forward

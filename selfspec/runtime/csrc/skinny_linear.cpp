@@ -896,6 +896,65 @@ torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& no
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// A whole decoder stack as one call: `decoder_layer` for every layer in turn, with the per-layer constants (norm
+// weights, packed linears, biases, widths, attention scale) held here from construction instead of crossing from
+// Python on every call. Python's per-layer share of a forward (module calls, hooks, kernel checks: ~30 us a layer,
+// ~1 ms of a SmolLM2 step) becomes one call. Each layer runs exactly `decoder_layer` on the same inputs, so the
+// outputs are bitwise the per-layer calls'.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<torch::Tensor> norm1, std::vector<double> eps1,
+               std::vector<std::vector<torch::Tensor>> packed,
+               std::vector<std::vector<c10::optional<torch::Tensor>>> biases,
+               std::vector<std::vector<int64_t>> out_features, std::vector<double> scale,
+               std::vector<torch::Tensor> norm2, std::vector<double> eps2, int64_t head_dim)
+      : norm1_(std::move(norm1)), eps1_(std::move(eps1)), packed_(std::move(packed)), biases_(std::move(biases)),
+        out_features_(std::move(out_features)), scale_(std::move(scale)), norm2_(std::move(norm2)),
+        eps2_(std::move(eps2)), head_dim_(head_dim) {
+    const size_t L = norm1_.size();
+    TORCH_CHECK(L > 0 && eps1_.size() == L && packed_.size() == L && biases_.size() == L &&
+                    out_features_.size() == L && scale_.size() == L && norm2_.size() == L && eps2_.size() == L,
+                "skinny DecoderStack: every per-layer list needs one entry a layer");
+  }
+
+  int64_t layers() const { return static_cast<int64_t>(norm1_.size()); }
+
+  // hidden [rows, hidden]; cos / sin as decoder_layer takes them; k_buffers / v_buffers one a layer, each holding
+  // `length` entries with room for the new ones; all_outputs: return every layer's output (for hidden states), else
+  // only the last one. Returns [B, n, hidden] tensors.
+  std::vector<torch::Tensor> run(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const std::vector<torch::Tensor>& k_buffers,
+                                 const std::vector<torch::Tensor>& v_buffers, int64_t length,
+                                 const c10::optional<torch::Tensor>& mask, bool all_outputs) const {
+    const size_t L = norm1_.size();
+    TORCH_CHECK(k_buffers.size() == L && v_buffers.size() == L, "skinny DecoderStack: ", k_buffers.size(), " / ",
+                v_buffers.size(), " key / value buffers for ", L, " layers");
+    std::vector<torch::Tensor> outputs;
+    outputs.reserve(all_outputs ? L : 1);
+    torch::Tensor x = hidden;
+    for (size_t i = 0; i < L; ++i) {
+      torch::Tensor out = decoder_layer(x, norm1_[i], eps1_[i], packed_[i], biases_[i], out_features_[i], cos, sin,
+                                        head_dim_, k_buffers[i], v_buffers[i], length, mask, scale_[i], norm2_[i],
+                                        eps2_[i], c10::nullopt);
+      x = out.view({-1, out.size(2)});
+      if (all_outputs || i + 1 == L) outputs.push_back(out);
+    }
+    return outputs;
+  }
+
+ private:
+  std::vector<torch::Tensor> norm1_;
+  std::vector<double> eps1_;
+  std::vector<std::vector<torch::Tensor>> packed_;
+  std::vector<std::vector<c10::optional<torch::Tensor>>> biases_;
+  std::vector<std::vector<int64_t>> out_features_;
+  std::vector<double> scale_;
+  std::vector<torch::Tensor> norm2_;
+  std::vector<double> eps2_;
+  int64_t head_dim_;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
 // The multiply-add rate this build's vectors reach on PyTorch's threads: independent chains of fused multiply-adds
 // in registers, no memory traffic. BLAS benchmarks understate it on some CPUs (MKL's large GEMM reached 216 of the
 // 510 GFLOPS this measures on a 2-core Zen 5, and the skinny kernel itself 340 at 24 rows), so the compute floor of
@@ -939,6 +998,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on rows [n, heads * head_dim]");
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up, in place");
   m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer on the kernels above, cache write included");
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local())  // local: two builds may load (tests' AVX2)
+      .def(py::init<std::vector<torch::Tensor>, std::vector<double>, std::vector<std::vector<torch::Tensor>>,
+                    std::vector<std::vector<c10::optional<torch::Tensor>>>, std::vector<std::vector<int64_t>>,
+                    std::vector<double>, std::vector<torch::Tensor>, std::vector<double>, int64_t>())
+      .def("layers", &DecoderStack::layers)
+      .def("run", &DecoderStack::run, "every layer's decoder_layer in turn; the outputs of each, or of the last");
   m.def("attention_supported", &attention_supported, "whether attention takes this head dim");
   m.def("attention", &attention, "few-query grouped attention: q [B,H,n,D], k/v [B,KV,L,D], mask -> [B,n,H,D]");
 }
