@@ -21,6 +21,7 @@ from decoding.registry import available_drafters, make_combined, make_drafter, p
 from selfspec.runtime.cache import generate_kwargs
 from selfspec.runtime.kernels import BACKENDS, linear_backend
 from selfspec.runtime.layers import decoder_layers
+from selfspec.runtime.lean import stack_calls
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,8 @@ class _HFMethod:
         eos = settings.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
         sampling = {} if settings.greedy else asdict(settings.sampling)
-        forwards = [0]
+        # forwards through the last layer (not HF's early-exit assistant's shallow ones), and whole-stack calls
+        forwards = [-stack_calls(model)]
         hook = decoder_layers(model)[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         try:
             if not settings.greedy:
@@ -180,6 +182,7 @@ class _HFMethod:
             seconds = time.perf_counter() - start
         finally:
             hook.remove()
+            forwards[0] += stack_calls(model)
         tokens = out[0, input_ids.shape[1]:].tolist()
         steps = forwards[0] or None
         return Generation(tokens, seconds, steps, len(tokens) / steps if steps else None)

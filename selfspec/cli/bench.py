@@ -45,7 +45,8 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-weights", default="float16", choices=list(DRAFT_WEIGHTS),
                         help="what drafters' own layers read on the skinny backend: float16 copies of their weights "
                              "(default: half a draft step's memory traffic; drafts only propose, the float32 model "
-                             "verifies every token) or float32")
+                             "verifies every token), float32, or their weights rounded to a Q8_0 or Q4_1 block grid "
+                             "(fewer bytes still; may change what is accepted, never what is output)")
 
 
 def apply_backend(model, args: argparse.Namespace) -> str:

@@ -25,10 +25,10 @@ layers on a lean forward over its kernels (``selfspec.runtime.lean``); ``stock``
 shipped.
 
 A drafter's own linear layers (Medusa heads, the feature drafter, an early-exit adapter and draft head) follow the
-base model's backend (``follow_backend``), and on ``skinny`` they read float16 copies of their weights
-(``draft_backend``, ``set_draft_weights``): a draft only proposes tokens that the float32 model then verifies, so
-its weights' precision can change what is accepted, never what is output, and half the bytes is half the memory
-traffic of a draft step, which on a CPU is what a draft step costs.
+base model's backend (``follow_backend``), and on ``skinny`` they read float16 copies of their weights, or with
+``set_draft_weights("q8_0" / "q4_1")`` their weights rounded to a block grid (``draft_backend``): a draft only
+proposes tokens that the float32 model then verifies, so its weights' precision can change what is accepted, never
+what is output, and fewer bytes are less memory traffic in a draft step.
 
 Greedy decoding stays lossless: the drafters' output is compared with the generate of the *same* model, and the
 backend only changes float rounding (differences of ~1e-5 in the logits), the same class of difference as a
@@ -51,9 +51,14 @@ from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
 from selfspec.runtime.lean import use_lean_layers
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
-#: float16 weights on the skinny kernel: what drafters' layers run on where the base runs on ``skinny``
+#: drafters' own weights on the skinny kernel (``set_draft_weights``): what their layers run on where the base runs on
+#: ``skinny``
 SKINNY_HALF = "skinny-f16"
-DRAFT_WEIGHTS = ("float16", "float32")
+#: what drafters' layers may read: float16 or float32 copies of their weights, or their weights rounded to a Q8_0 or
+#: Q4_1 block grid (``skinny.quantize``)
+DRAFT_WEIGHTS = ("float16", "float32", "q8_0", "q4_1")
+#: bytes a weight of each draft format streams (grid panels keep d and m as float32: 36 / 24 bytes per 32 weights)
+_DRAFT_BYTES = {"q4_1": 0.75, "q8_0": 1.125, "float16": 2.0, "float32": 4.0}
 _draft_weights = "float16"
 _STATE = "_selfspec_linear_backend"
 _KERNEL_CACHE = "_selfspec_linear_kernels"
@@ -147,16 +152,32 @@ class _SkinnyLinear(_PackedLinear):
 
 
 class _SkinnyHalfLinear(_SkinnyLinear):
-    """The skinny kernel over float16 panels of the weight (``skinny.pack(..., half=True)``); a weight beyond
-    float16's range (|w| > 65504) keeps float32 panels. A weight on a GGUF block grid (a draft head made of a Q8_0
-    model's LM-head rows) takes the grid instead: fewer bytes than float16, and its float32 values exactly."""
+    """A drafter's layer on the skinny kernel, over the weights ``set_draft_weights`` chose: float16 panels
+    (``skinny.pack(..., half=True)``; a weight beyond float16's range, |w| > 65504, keeps float32 panels) or the
+    weight rounded to a Q8_0 / Q4_1 grid (``skinny.pack_quantized``; a layer whose inputs are not in blocks of 32
+    takes float16). A weight that lies exactly on a GGUF block grid (a draft head made of a Q8_0 model's LM-head rows)
+    keeps that grid wherever it streams no more bytes than the chosen format: its float32 values exactly. Repacked when
+    the chosen format changes."""
 
     backend = SKINNY_HALF
 
+    def __init__(self, module: nn.Module):
+        super().__init__(module)
+        self._format = None  # the draft weights it was packed for
+
+    def _current(self, weight, bias):
+        if self._format != _draft_weights:
+            self._key = None
+        return super()._current(weight, bias)
+
     def _pack(self, weight, bias):
+        chosen = self._format = _draft_weights
         grid = skinny.pack_grid(weight) if skinny.EXACT_GRIDS else None
-        if grid is not None:
+        if grid is not None and _DRAFT_BYTES[grid[0]] <= _DRAFT_BYTES[chosen]:
             return grid[1], None
+        if chosen in skinny.GRIDS and weight.shape[1] % skinny.GRID_BLOCK == 0 and weight.numel() \
+                and bool(torch.isfinite(weight).all()):
+            return skinny.pack_quantized(weight, chosen), None
         half = bool(weight.abs().max() <= torch.finfo(torch.float16).max) if weight.numel() else True
         return skinny.pack(weight, half=half), None
 
@@ -268,7 +289,9 @@ def set_module_backend(module: nn.Linear, backend: str) -> None:
 
 def set_draft_weights(dtype: str) -> None:
     """What drafters' own linear layers read where the base runs on ``skinny``: ``"float16"`` (the default) or
-    ``"float32"`` copies of their weights. Takes effect at the next ``begin`` of a drafter.
+    ``"float32"`` copies of their weights, or the weights rounded to a ``"q8_0"`` or ``"q4_1"`` block grid (1.1 /
+    0.75 bytes a weight: a draft step streams less; what is accepted may change, never what is output). Takes effect
+    at the next ``begin`` of a drafter (and the next call of a layer already on the draft kernels).
 
     Raises:
         ValueError: another dtype.
@@ -284,9 +307,9 @@ def draft_weights() -> str:
 
 
 def draft_backend(backend: str) -> str:
-    """The backend a drafter's layers run on when the base runs on ``backend``: ``skinny`` with float16 weights
+    """The backend a drafter's layers run on when the base runs on ``backend``: ``skinny`` on the draft weights
     (``SKINNY_HALF``) unless ``set_draft_weights("float32")``; other backends as they are."""
-    return SKINNY_HALF if backend == "skinny" and _draft_weights == "float16" else backend
+    return SKINNY_HALF if backend == "skinny" and _draft_weights != "float32" else backend
 
 
 def follow_backend(model: nn.Module, layers: Callable[[], Iterable[nn.Linear]], current: str) -> str:
@@ -302,10 +325,10 @@ def follow_backend(model: nn.Module, layers: Callable[[], Iterable[nn.Linear]], 
 @contextlib.contextmanager
 def drafting_with(modules: Iterable[nn.Linear]) -> Iterator[None]:
     """Inside the block, the base model's ``modules`` run as a draft's layers (an early exit's shallow layers): on
-    float16 panels (``SKINNY_HALF``) where they run on ``skinny`` and draft weights are float16; back on their
-    float32 panels after it, whatever happens inside. Each keeps both packed copies, so switching is cheap."""
+    the draft weights (``SKINNY_HALF``) where they run on ``skinny`` and draft weights are not float32; back on their
+    own panels after it, whatever happens inside. Each keeps both packed copies, so switching is cheap."""
     switched = []
-    if _draft_weights == "float16":
+    if _draft_weights != "float32":
         for module in modules:
             if module_backend(module) == "skinny":
                 kernels = module.__dict__[_KERNEL_CACHE]

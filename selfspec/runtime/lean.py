@@ -306,8 +306,8 @@ class _LeanStack:
     final norm are the model's own, as its forward computes them; the layers are the same calls as the per-layer
     path's, so logits, cache entries and hidden states (``output_hidden_states=True``: the embeddings, every layer's
     output, the normed last one) are bitwise that path's. Anything else (prefill beyond ``skinny.MAX_ROWS`` rows,
-    gradients, ``inputs_embeds``, attentions, hidden states selected by index, another cache) runs the class's own
-    forward. ``calls`` counts the calls it took itself."""
+    gradients, ``inputs_embeds``, attentions, hidden states selected by index, another cache, a forward hook on a
+    layer) runs the class's own forward. ``calls`` counts the calls it took itself."""
 
     def __init__(self, decoder: nn.Module, layers: list[nn.Module]):
         self.decoder, self.layers = decoder, list(layers)
@@ -388,7 +388,7 @@ class _LeanStack:
             if (type(layer) is not BufferedLayer or layer._key_buffer is None or layer.keys is None
                     or layer.keys.shape[-2] != length or layer._key_buffer.shape[0] != batch):
                 return None
-        if self._interface(self.layers[0].self_attn) is not skinny_attention:
+        if self._interface(self.layers[0].self_attn) is not skinny_attention or _hooked(self.layers):
             return None
         stack = self._current_stack()
         if stack is None:
@@ -418,6 +418,31 @@ class _LeanStack:
         return BaseModelOutputWithPast(last_hidden_state=last, cache=cache, hidden_states=hidden_states)
 
 
+def _hooked(layers: list[nn.Module]) -> bool:
+    """Whether a forward hook or pre-hook on a layer (or a global one) expects to see the layers' calls: any but
+    transformers' output-capturing hooks, which only record inside the model class's own forward (the stack
+    returns hidden states itself)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    for layer in layers:
+        if layer._forward_pre_hooks:
+            return True
+        for hook in layer._forward_hooks.values():
+            if getattr(hook, "__name__", None) != "output_capturing_hook":
+                return True
+    return False
+
+
+def stack_calls(model: nn.Module) -> int:
+    """Forwards ``model``'s decoder has run as one whole-stack call so far (0 where it has no ``_LeanStack``): they
+    run no per-layer module, so a hook on a layer does not see them."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    forward = getattr(decoder, "__dict__", {}).get("forward")
+    return forward.calls if isinstance(forward, _LeanStack) else 0
+
+
 _STACK_KWARGS = frozenset({"output_hidden_states", "return_dict", "output_attentions"})
 
 
@@ -426,4 +451,4 @@ def _version_of(tensor: torch.Tensor) -> int | None:
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "InterfaceLookup", "attention_interface", "block", "fused_block", "is_lean_kernel",
-           "kernels_of", "layer_kernels", "run_kernel", "supported", "use_lean_layers"]
+           "kernels_of", "layer_kernels", "run_kernel", "stack_calls", "supported", "use_lean_layers"]

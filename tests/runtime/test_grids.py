@@ -188,3 +188,29 @@ def test_packed_formats_says_what_each_linear_streams(built, monkeypatch):
     with torch.inference_mode():
         model(torch.zeros(1, 1, dtype=torch.long))
     assert packed_formats(model) == {"q4_1": linears - 1, "q8_0": 1}
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_lossy_grids_round_to_the_nearest_level_and_compute_exactly_what_they_rebuild(kind):
+    """``skinny.quantize`` (drafters' layers only) rounds every weight to its block's nearest level, as llama.cpp
+    does, and ``pack_quantized`` panels compute exactly what the float32 panels of the rebuilt weight compute."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(37, 96, generator=gen) * 0.05
+    weight[3, :32] = 0.0  # an all-zero block
+    d, m, q = skinny.quantize(weight, kind)
+    rebuilt = skinny.dequantize(d, m, q)
+    step = d.float().repeat_interleave(32, dim=1)
+    assert (rebuilt - weight).abs().le(step / 2 + 1e-6).all()  # within half a level everywhere
+    assert torch.equal(rebuilt[3, :32], torch.zeros(32))
+    if kind == "q4_1":
+        assert int(q.max()) <= 15 and m is not None
+    else:
+        assert int(q.abs().max()) <= 127 and m is None
+    assert skinny.pack_grid(rebuilt)[0] == kind  # the rebuilt weight lies exactly on that grid
+    x = torch.randn(5, 96, generator=gen)
+    assert torch.equal(skinny.linear(x, skinny.pack_quantized(weight, kind), 37, None),
+                       skinny.linear(x, skinny.pack(rebuilt), 37, None))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        skinny.quantize(torch.zeros(4, 40), kind)
+    with pytest.raises(ValueError, match="unknown grid"):
+        skinny.quantize(weight, "q5_0")

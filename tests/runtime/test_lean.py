@@ -194,6 +194,14 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
         model(ids[:, :3], cache=DynamicCache(config=model.config), use_cache=True)
     model(ids[:, :3], cache=new_cache(model, 8), use_cache=True).logits.sum().backward()  # gradients
     assert stack_calls(model) == calls
+    seen = []
+    handle = model.model.layers[2].register_forward_hook(lambda *_: seen.append(1))  # a hook sees every layer call
+    with torch.inference_mode():
+        cache = new_cache(model, 16)
+        model(ids[:, :4], cache=cache, use_cache=True)
+        model(ids[:, 4:5], cache=cache, use_cache=True)
+    handle.remove()
+    assert len(seen) == 2 and stack_calls(model) == calls
 
     def step_logits():
         cache = new_cache(model, 16)

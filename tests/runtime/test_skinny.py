@@ -420,7 +420,7 @@ def test_a_weight_beyond_float16_keeps_float32_panels(built):
 
 
 @pytest.mark.parametrize("draft", ["eagle", "early-exit"])
-def test_drafters_draft_on_float16_weights_and_stay_lossless(built, draft, monkeypatch):
+def test_drafters_draft_on_float16_or_grid_weights_and_stay_lossless(built, draft, monkeypatch):
     from decoding.generate import generate
     from eagle.drafter import EagleDrafter, EaglePolicy
     from early_exit.drafter import EarlyExitDrafter
@@ -438,15 +438,17 @@ def test_drafters_draft_on_float16_weights_and_stay_lossless(built, draft, monke
         drafter = EarlyExitDrafter(model, classifier)
         layers = lambda: classifier.linear_layers(model)  # noqa: E731
     taus = {}
-    for weights in ("float16", "float32"):
+    for weights in ("float16", "float32", "q4_1", "q8_0", "float16"):  # float16 again: repacked back
         set_draft_weights(weights)
         for n, new in ((1, 9), (5, 30), (19, 17)):
             ids = random_prompt(n, seed=n)
             out = generate(model, drafter, ids, max_new_tokens=new)
             assert torch.equal(out.sequences, greedy_reference(model, ids, new)), (draft, weights, n)
             taus[weights, n] = out.stats.tau
-        expected = SKINNY_HALF if weights == "float16" else "skinny"
+        expected = "skinny" if weights == "float32" else SKINNY_HALF
         assert {module_backend(m) for m in layers()} == {expected}, weights
+        formats = {skinny.packed_format(m.forward._weight) for m in layers() if m.in_features % 32 == 0}
+        assert formats == {weights}, (weights, formats)  # blocks of 32 inputs: the chosen grid
         if draft == "early-exit" and weights == "float16":  # its shallow base layers drafted on float16 copies
             assert drafter._linears and all(SKINNY_HALF in m.__dict__[kernels._KERNEL_CACHE] for m in drafter._linears)
         assert all(module_backend(m) == "skinny" for m in model.modules() if isinstance(m, torch.nn.Linear))
