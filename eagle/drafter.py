@@ -125,14 +125,11 @@ class EagleDrafter(DrafterBase):
         finally:
             self.cache.crop(prefix)
 
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.draft.logits(out).float(), dim=-1)
-
     def _top(self, out: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
         """The ``k`` best draft columns below each output row ``out`` ``[rows, hidden]`` and their log-probabilities,
         as Python lists (the tree is grown on a few dozen numbers: list arithmetic costs less than tensor ops)."""
-        top = self._log_probs(out).topk(min(k, self.draft.draft_vocab.numel()), dim=-1)
-        return top.values.tolist(), top.indices.tolist()
+        values, columns = self.draft.top(out, k)
+        return values.tolist(), columns.tolist()
 
     def _grow(self, prefix: int) -> DraftTree:
         policy = self.policy

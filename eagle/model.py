@@ -381,6 +381,22 @@ class EagleDraftModel(nn.Module):
             return F.linear(normed, shared.weight.to(normed.dtype), bias)
         return shared(normed)
 
+    def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log-probabilities, draft columns)`` ``[rows, k]`` of the ``k`` best draft tokens below each draft output
+        ``hidden [rows, hidden]``, best first: ``log_softmax(logits(hidden)).topk(k)``. On the skinny backend the
+        final norm, the head and the ranking run as one extension call (``skinny.head_top``)."""
+        k = min(k, self.config.draft_vocab_size)
+        head = self.lm_head if self.lm_head is not None else self.shared_head
+        kernel = head.__dict__.get("forward")
+        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and lean.is_lean_kernel(kernel)
+                and kernel._current(head._parameters["weight"], head._parameters.get("bias"))):
+            return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(), self.norm.weight,
+                                   self.norm.variance_epsilon, kernel._weight, head.out_features,
+                                   head._parameters.get("bias"), k)
+        top = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)
+        return top.values, top.indices
+
     def head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [draft_vocab, hidden], bias)`` of the draft head (the trained one or the shared base rows)."""
         if self.lm_head is not None:

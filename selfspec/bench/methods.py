@@ -21,7 +21,7 @@ from decoding.registry import available_drafters, make_combined, make_drafter, p
 from selfspec.runtime.cache import generate_kwargs
 from selfspec.runtime.kernels import BACKENDS, linear_backend
 from selfspec.runtime.layers import decoder_layers
-from selfspec.runtime.lean import stack_calls
+from selfspec.runtime.lean import COUNTS_ONLY, stack_calls
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,15 @@ class _HFMethod:
         eos = settings.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
         sampling = {} if settings.greedy else asdict(settings.sampling)
-        # forwards through the last layer (not HF's early-exit assistant's shallow ones), and whole-stack calls
+        # forwards through the last layer (not HF's early-exit assistant's shallow ones), and whole-stack calls (a
+        # hook that only counts leaves them on: selfspec.runtime.lean.COUNTS_ONLY)
         forwards = [-stack_calls(model)]
-        hook = decoder_layers(model)[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+        def count(*_):
+            forwards[0] += 1
+
+        setattr(count, COUNTS_ONLY, True)
+        hook = decoder_layers(model)[-1].register_forward_hook(count)
         try:
             if not settings.greedy:
                 torch.manual_seed(settings.seed)

@@ -59,7 +59,9 @@ def apply_backend(model, args: argparse.Namespace) -> str:
             model(torch.zeros(1, 1, dtype=torch.long, device=model.device))
         weights = "; weights: " + ", ".join(f"{n} {f}" for f, n in packed_formats(model).items())
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else "")
-          + f"; attention: {attention_of(model)}; draft weights: {draft_backend(backend)}{weights}", flush=True)
+          + f"; attention: {attention_of(model)}; draft weights: "
+          + (draft_weights() if draft_backend(backend) != backend else f"as the model's ({backend})") + weights,
+          flush=True)
     return backend
 
 

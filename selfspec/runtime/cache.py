@@ -133,6 +133,8 @@ def keep_accepted(cache, prefix_length: int, accepted: list[int], layers: range 
     selected = range(len(all_layers)) if layers is None else layers
     k = len(accepted)
     new_length = prefix_length + 1 + k
+    if _keep_in_buffers(all_layers, selected, prefix_length, accepted):
+        return
     contiguous = accepted == list(range(k))
     if not contiguous:
         source = torch.tensor(accepted, dtype=torch.long) + (prefix_length + 1)
@@ -154,6 +156,28 @@ def keep_accepted(cache, prefix_length: int, accepted: list[int], layers: range 
         layer.values = values[:, :, :new_length]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = new_length
+
+
+def _keep_in_buffers(all_layers, selected, prefix_length: int, accepted: list[int]) -> bool:
+    """``keep_accepted`` as one extension call (``skinny.keep_entries``: the moves and every layer's new views)
+    where every selected layer is a ``BufferedLayer`` with float32 CPU buffers holding the verified step, the path
+    ascends, and the extension is already loaded (a GPU or stock run never builds it for this). False otherwise."""
+    from selfspec.runtime import skinny  # skinny's kernels import this module's users, not this module
+
+    if not skinny.loaded() or any(b <= a for a, b in zip(accepted, accepted[1:])):
+        return False
+    chosen = [all_layers[i] for i in selected]
+    length = prefix_length + 1 + (accepted[-1] + 1 if accepted else 0)
+    for layer in chosen:
+        buffer = layer._key_buffer if type(layer) is BufferedLayer else None
+        if (buffer is None or layer.keys is None or buffer.dtype != torch.float32 or buffer.device.type != "cpu"
+                or layer.keys.shape[-2] < length):
+            return False
+    keys, values = skinny.keep_entries([layer._key_buffer for layer in chosen],
+                                       [layer._value_buffer for layer in chosen], prefix_length, list(accepted))
+    for layer, k, v in zip(chosen, keys, values):
+        layer.keys, layer.values = k, v
+    return True
 
 
 def crop(cache, length: int, layers: range | None = None) -> None:

@@ -370,14 +370,53 @@ def decoder_layer(hidden: torch.Tensor, norm1: torch.Tensor, eps1: float, packed
         mask, scale, norm2, eps2, normed)
 
 
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` ``[rows, k]``: the ``k`` largest log-probabilities (log_softmax) of each row of float32
+    ``logits [rows, V]``, largest first (the earlier column first among equal values; NaN never chosen): what
+    ``log_softmax(logits).topk(k)`` ranks, in one pass each for the maximum, the normalizer and the top ``k``."""
+    values, indices = (_module if _module is not None else extension()).top_log_probs(logits, k)
+    return values, indices
+
+
+def head_top(hidden: torch.Tensor, norm: torch.Tensor, eps: float, packed: torch.Tensor, out_features: int,
+             bias: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft head in one call: ``top_log_probs(linear(rms_norm(hidden, norm, eps), packed, ...), k)`` for
+    ``hidden [rows, H]``."""
+    values, indices = (_module if _module is not None else extension()).head_top(hidden, norm, eps, packed,
+                                                                                  out_features, bias, k)
+    return values, indices
+
+
 def decoder_stack(stack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_buffers: list[torch.Tensor],
                   value_buffers: list[torch.Tensor], length: int, mask: torch.Tensor | None,
-                  all_outputs: bool) -> list[torch.Tensor]:
+                  all_outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Every layer of ``stack`` (an extension ``DecoderStack``: the per-layer constants of ``decoder_layer``, held in
     C++) in turn over ``hidden [batch * n, hidden]``, as that many ``decoder_layer`` calls would run them, bitwise:
     layer ``i`` writes its keys and values into ``key_buffers[i]`` / ``value_buffers[i]`` after their ``length``
-    entries. Returns every layer's output ``[batch, n, hidden]`` (``all_outputs``) or the last one's alone."""
+    entries. Returns ``(outputs, keys, values)``: every layer's output ``[batch, n, hidden]`` (``all_outputs``) or
+    the last one's alone, and the views ``[:, :, :length + n]`` of the buffers (what each cache layer now holds)."""
     return stack.run(hidden, cos, sin, key_buffers, value_buffers, length, mask, all_outputs)
+
+
+def keep_entries(key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor], prefix_length: int,
+                 accepted: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """In every layer's key and value buffers ``[batch, kv_heads, capacity, head_dim]``: keep the first
+    ``prefix_length`` entries and the root's after them, and move the ``accepted`` nodes' entries (node ``i`` was
+    written at ``prefix_length + 1 + i``; ascending, as a path from the root is) down behind the root. Returns the
+    views ``[:, :, :prefix_length + 1 + len(accepted)]`` (``selfspec.runtime.cache.keep_accepted``'s result)."""
+    return (_module if _module is not None else extension()).keep_entries(key_buffers, value_buffers, prefix_length,
+                                                                           accepted)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.max(dim=-1).indices`` of float32 CPU rows ``[n, V]``: each row's first maximal column, a NaN
+    counting as the maximum (its first NaN), as int64 ``[n]``."""
+    return (_module if _module is not None else extension()).argmax_rows(logits)
+
+
+def loaded() -> bool:
+    """The extension is built and loaded in this process (asking does not build it)."""
+    return _module is not None
 
 
 #: The tile shapes for 15-16 rows the kernel can use (``set_wide_tiles``), by name.

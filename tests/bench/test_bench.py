@@ -268,8 +268,13 @@ def test_vanilla_on_the_project_kernels_uses_the_decoders_cache_and_stock_keeps_
     monkeypatch.setattr(skinny, "decoder_layer", lambda h, *a: fused.append(h.shape[0]) or real_layer(h, *a))
     monkeypatch.setattr(skinny, "decoder_stack", lambda s, h, *a: fused.append(h.shape[0]) or real_stack(s, h, *a))
     settings = GenSettings(max_new_tokens=10)
-    assert parse_method("vanilla").generate(model, prompt, settings).tokens == expected
+    from selfspec.runtime.lean import stack_calls
+
+    before = stack_calls(model)
+    generation = parse_method("vanilla").generate(model, prompt, settings)
+    assert generation.tokens == expected and generation.steps == 10 and generation.tau == 1.0
     assert all(type(layer) is BufferedLayer for layer in seen[-1].layers) and fused
+    assert stack_calls(model) - before == 9  # every step after the prefill as one call: the step counter leaves it on
     fused.clear()
     assert parse_method("vanilla@stock").generate(model, prompt, settings).tokens == expected
     assert seen[-1] is None and not fused

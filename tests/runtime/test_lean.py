@@ -202,6 +202,27 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
         model(ids[:, 4:5], cache=cache, use_cache=True)
     handle.remove()
     assert len(seen) == 2 and stack_calls(model) == calls
+    cache = new_cache(model, 16)
+    model.config.num_hidden_layers = 2  # HF's early-exit assistant runs the first layers only
+    with torch.inference_mode():
+        model(ids[:, :4], cache=cache, use_cache=True)
+        model(ids[:, 4:5], cache=cache, use_cache=True)
+    model.config.num_hidden_layers = len(model.model.layers)
+    assert stack_calls(model) == calls and cache.layers[2].keys is None  # the other layers never ran
+    counted = []
+
+    def count(*_):
+        counted.append(1)
+
+    setattr(count, lean.COUNTS_ONLY, True)  # a hook that only counts (the benchmark's) leaves the stack on
+    handle = model.model.layers[-1].register_forward_hook(count)
+    with torch.inference_mode():
+        cache = new_cache(model, 16)
+        model(ids[:, :4], cache=cache, use_cache=True)
+        model(ids[:, 4:5], cache=cache, use_cache=True)
+    handle.remove()
+    assert len(counted) == 1 and stack_calls(model) == calls + 1  # the prefill counted, the step ran whole
+    calls += 1
 
     def step_logits():
         cache = new_cache(model, 16)

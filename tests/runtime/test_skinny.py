@@ -712,3 +712,27 @@ def test_a_feature_drafter_built_before_the_backend_follows_its_attention(built,
     set_linear_backend(model, "stock")
     out = generate(model, drafter, ids, max_new_tokens=12)
     assert torch.equal(out.sequences, greedy_reference(model, ids, 12)) and config._attn_implementation == "sdpa"
+
+
+def test_top_log_probs_ranks_as_log_softmax_topk(built):
+    """``skinny.top_log_probs`` (a drafter's ranking, ``head_top``'s last part) gives ``log_softmax(x).topk(k)``:
+    the same columns in the same order, the same log-probabilities up to exp's rounding, over vector tails; equal
+    values keep the earlier column first, NaN is never chosen, and k beyond the width is clipped."""
+    gen = torch.Generator().manual_seed(9)
+    for rows, width, k in ((1, 12288, 4), (3, 1001, 8), (2, 7, 3), (1, 40, 40)):
+        x = torch.randn(rows, width, generator=gen) * 3
+        values, indices = skinny.top_log_probs(x, k)
+        top = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+        assert torch.equal(indices, top.indices)
+        torch.testing.assert_close(values, top.values, rtol=1e-5, atol=1e-5)
+    tied = torch.tensor([[1.0, float("nan"), 3.0, 3.0, -2.0, 3.0]])
+    values, indices = skinny.top_log_probs(tied, 9)
+    assert indices[0, :5].tolist() == [2, 3, 5, 0, 4] and values.shape == (1, 6)
+    assert values[0, 0] == values[0, 1] == values[0, 2] and values[0, 5] == float("-inf")  # 5 numbers for 6 slots
+    expected = torch.log_softmax(torch.tensor([1.0, 3.0, 3.0, -2.0, 3.0]), dim=0)
+    torch.testing.assert_close(values[0, :5], expected[[1, 2, 4, 0, 3]])
+    w = torch.randn(50, 64, generator=gen) * 0.1
+    h, norm = torch.randn(2, 64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    values, indices = skinny.head_top(h, norm, 1e-6, skinny.pack(w), 50, None, 5)
+    logits = skinny.linear(skinny.rms_norm(h, norm, 1e-6), skinny.pack(w), 50, None)
+    assert torch.equal((values, indices)[1], torch.log_softmax(logits, -1).topk(5, -1).indices)

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -896,6 +897,182 @@ torch::Tensor decoder_layer(const torch::Tensor& hidden, const torch::Tensor& no
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The k largest log-probabilities of each row of logits [rows, V] (log_softmax, then top-k), largest first, the
+// earlier index first among equal values, NaN never chosen: a drafter ranks its candidates with them. One pass for
+// the maximum, one for the sum of exponentials (the vector exp above; a draft's ranking needs no more), one for the
+// top k, held sorted in a small array. Returns {values [rows, k] float32, indices [rows, k] int64}.
+inline bool any_lane(ivec m) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX__)
+  return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
+  for (int i = 0; i < kLanes; ++i)
+    if (m[i]) return true;
+  return false;
+#endif
+}
+
+std::vector<torch::Tensor> top_log_probs(const torch::Tensor& logits, int64_t k) {
+  check_rows(logits, "top_log_probs");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && V >= 1, "skinny top_log_probs: k ", k, " of ", V, " columns");
+  k = std::min(k, V);
+  auto values = torch::empty({rows, k}, logits.options());
+  auto indices = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
+  const float* src = logits.data_ptr<float>();
+  float* out_v = values.data_ptr<float>();
+  int64_t* out_i = indices.data_ptr<int64_t>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::vector<float> best(k);
+  std::vector<int64_t> where(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = src + r * V;
+    int64_t filled = 0;
+    float floor = kNegInf;  // the k-th best so far (-inf until k are held): only larger values enter
+    auto offer = [&](float v, int64_t j) {
+      if (!(v == v) || (filled == k && !(v > floor))) return;  // NaN never; ties keep the earlier column
+      int64_t at = filled < k ? filled++ : k - 1;
+      while (at > 0 && v > best[at - 1]) {
+        best[at] = best[at - 1];
+        where[at] = where[at - 1];
+        --at;
+      }
+      best[at] = v;
+      where[at] = j;
+      if (filled == k) floor = best[k - 1];
+    };
+    // one pass: the lane-wise maximum, and the top k from the few vectors that hold a value above the k-th best
+    vec top_lanes = vec{} + kNegInf;
+    int64_t i = 0;
+    for (; i + kLanes <= V; i += kLanes) {
+      const vec v = *reinterpret_cast<const vec_unaligned*>(x + i);
+      top_lanes = v > top_lanes ? v : top_lanes;  // NaN compares false: never the maximum
+      if (filled < k || any_lane(v > (vec{} + floor)))
+        for (int j = 0; j < kLanes; ++j) offer(v[j], i + j);
+    }
+    float top = kNegInf;
+    for (int j = 0; j < kLanes; ++j) top = top_lanes[j] > top ? top_lanes[j] : top;
+    for (int64_t j = i; j < V; ++j) {
+      top = x[j] > top ? x[j] : top;
+      offer(x[j], j);
+    }
+    // the normalizer: sum of exp(x - max) (the vector exp; a draft's ranking needs no more), NaN adding nothing
+    vec acc{};
+    const vec shift = vec{} + top;
+    for (i = 0; i + kLanes <= V; i += kLanes) {
+      const vec e = vexp(*reinterpret_cast<const vec_unaligned*>(x + i) - shift);
+      acc += e == e ? e : vec{};
+    }
+    double sum = hsum(acc);
+    for (; i < V; ++i)
+      if (x[i] == x[i]) sum += std::exp(static_cast<double>(x[i]) - top);
+    const float lse = std::isfinite(top) ? top + static_cast<float>(std::log(sum)) : top;
+    for (int64_t c = 0; c < k; ++c) {
+      const bool have = c < filled;
+      out_v[r * k + c] = have ? best[c] - lse : kNegInf;
+      out_i[r * k + c] = have ? where[c] : 0;
+    }
+  }
+  return {values, indices};
+}
+
+// A draft head in one call: RMSNorm of each row of hidden [rows, H], the packed head, then top_log_probs.
+std::vector<torch::Tensor> head_top(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
+                                    const torch::Tensor& packed, int64_t out_features,
+                                    const c10::optional<torch::Tensor>& bias, int64_t k) {
+  return top_log_probs(linear(rms_norm(hidden, norm, eps), packed, out_features, bias, c10::nullopt), k);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// After a tree verification: every layer's cache keeps its first `prefix` entries, the root's at `prefix`, and the
+// accepted nodes' (node i at prefix + 1 + i) moved down behind it in order. buffers [B, KV, capacity, D], row-major
+// in their last dim; `accepted` ascending (a path from the root: parents come before children), so each entry moves
+// down or stays and the copies never overwrite an entry still to be read. Returns the views [:, :, :new length].
+std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>> keep_entries(
+    const std::vector<torch::Tensor>& k_buffers, const std::vector<torch::Tensor>& v_buffers, int64_t prefix,
+    const std::vector<int64_t>& accepted) {
+  TORCH_CHECK(k_buffers.size() == v_buffers.size(), "skinny keep_entries: ", k_buffers.size(), " key and ",
+              v_buffers.size(), " value buffers");
+  const int64_t count = static_cast<int64_t>(accepted.size()), end = prefix + 1 + count;
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(accepted[i] >= i && (i == 0 || accepted[i] > accepted[i - 1]),
+                "skinny keep_entries: accepted nodes must ascend (a path from the root)");
+  std::vector<torch::Tensor> keys, values;
+  keys.reserve(k_buffers.size());
+  values.reserve(v_buffers.size());
+  for (size_t l = 0; l < k_buffers.size(); ++l) {
+    for (const torch::Tensor* t : {&k_buffers[l], &v_buffers[l]}) {
+      const torch::Tensor& b = *t;
+      TORCH_CHECK(b.dim() == 4 && b.scalar_type() == torch::kFloat32 && b.device().is_cpu() && b.stride(3) == 1 &&
+                      b.stride(2) == b.size(3) && prefix + 1 + (count ? accepted[count - 1] : 0) < b.size(2) + 1,
+                  "skinny keep_entries: buffer ", b.sizes(), " for ", prefix, " + ", end - prefix, " entries");
+      float* base = b.data_ptr<float>();
+      const int64_t D = b.size(3);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t src = prefix + 1 + accepted[i], dst = prefix + 1 + i;
+        if (src == dst) continue;
+        for (int64_t bh = 0; bh < b.size(0) * b.size(1); ++bh) {
+          const int64_t row = (bh / b.size(1)) * b.stride(0) + (bh % b.size(1)) * b.stride(1);
+          std::memcpy(base + row + dst * D, base + row + src * D, sizeof(float) * D);
+        }
+      }
+    }
+    keys.push_back(k_buffers[l].narrow(2, 0, end));
+    values.push_back(v_buffers[l].narrow(2, 0, end));
+  }
+  return {keys, values};
+}
+
+// The first maximal column of each row of logits [rows, V] (int64 [rows]): torch.max(dim=-1).indices, a NaN
+// counting as the maximum (the first NaN's column where a row has one). Lane-wise maxima and their first columns,
+// then the smallest column among the lanes holding the row's maximum.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  check_rows(logits, "argmax_rows");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1, "skinny argmax_rows: rows of no columns");
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  int64_t* result = out.data_ptr<int64_t>();
+  const float* src = logits.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t r = begin; r < stop; ++r) {
+      const float* x = src + r * V;
+      vec best = vec{} - std::numeric_limits<float>::infinity();
+      ivec column{}, lane_index{}, nan{};
+      for (int j = 0; j < kLanes; ++j) lane_index[j] = j;
+      column = lane_index;  // every lane's first column holds -inf until something larger comes
+      int64_t i = 0;
+      bool filled = false;
+      for (; i + kLanes <= V && i + kLanes <= (int64_t{1} << 30); i += kLanes) {
+        const vec v = *reinterpret_cast<const vec_unaligned*>(x + i);
+        nan |= v != v;
+        const ivec larger = v > best;  // strictly: equal values keep the earlier column
+        best = larger ? v : best;
+        column = larger ? lane_index + static_cast<int>(i) : column;
+        filled = true;
+      }
+      int64_t at = -1;
+      float top = -std::numeric_limits<float>::infinity();
+      if (any_lane(nan)) {  // the first NaN, as torch.max reports it
+        for (int64_t j = 0; j < V; ++j)
+          if (x[j] != x[j]) { at = j; break; }
+      } else {
+        if (filled)
+          for (int j = 0; j < kLanes; ++j)
+            if (best[j] > top || (best[j] == top && (at < 0 || column[j] < at))) top = best[j], at = column[j];
+        for (int64_t j = i; j < V; ++j) {
+          if (x[j] != x[j]) { at = j; break; }
+          if (at < 0 || x[j] > top) top = x[j], at = j;
+        }
+        if (at < 0) at = 0;
+      }
+      result[r] = at;
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // A whole decoder stack as one call: `decoder_layer` for every layer in turn, with the per-layer constants (norm
 // weights, packed linears, biases, widths, attention scale) held here from construction instead of crossing from
 // Python on every call. Python's per-layer share of a forward (module calls, hooks, kernel checks: ~30 us a layer,
@@ -922,15 +1099,19 @@ class DecoderStack {
   // hidden [rows, hidden]; cos / sin as decoder_layer takes them; k_buffers / v_buffers one a layer, each holding
   // `length` entries with room for the new ones; all_outputs: return every layer's output (for hidden states), else
   // only the last one. Returns [B, n, hidden] tensors.
-  std::vector<torch::Tensor> run(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const std::vector<torch::Tensor>& k_buffers,
-                                 const std::vector<torch::Tensor>& v_buffers, int64_t length,
-                                 const c10::optional<torch::Tensor>& mask, bool all_outputs) const {
+  // Also returns the views [:, :, :length + n] of every key and value buffer (what a cache layer holds after the
+  // append), made here rather than by sixty slicing calls in Python.
+  std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>> run(
+      const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+      const std::vector<torch::Tensor>& k_buffers, const std::vector<torch::Tensor>& v_buffers, int64_t length,
+      const c10::optional<torch::Tensor>& mask, bool all_outputs) const {
     const size_t L = norm1_.size();
     TORCH_CHECK(k_buffers.size() == L && v_buffers.size() == L, "skinny DecoderStack: ", k_buffers.size(), " / ",
                 v_buffers.size(), " key / value buffers for ", L, " layers");
-    std::vector<torch::Tensor> outputs;
+    std::vector<torch::Tensor> outputs, keys, values;
     outputs.reserve(all_outputs ? L : 1);
+    keys.reserve(L);
+    values.reserve(L);
     torch::Tensor x = hidden;
     for (size_t i = 0; i < L; ++i) {
       torch::Tensor out = decoder_layer(x, norm1_[i], eps1_[i], packed_[i], biases_[i], out_features_[i], cos, sin,
@@ -938,8 +1119,11 @@ class DecoderStack {
                                         eps2_[i], c10::nullopt);
       x = out.view({-1, out.size(2)});
       if (all_outputs || i + 1 == L) outputs.push_back(out);
+      const int64_t end = length + x.size(0) / k_buffers[i].size(0);
+      keys.push_back(k_buffers[i].narrow(2, 0, end));
+      values.push_back(v_buffers[i].narrow(2, 0, end));
     }
-    return outputs;
+    return {outputs, keys, values};
   }
 
  private:
@@ -1004,6 +1188,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<double>, std::vector<torch::Tensor>, std::vector<double>, int64_t>())
       .def("layers", &DecoderStack::layers)
       .def("run", &DecoderStack::run, "every layer's decoder_layer in turn; the outputs of each, or of the last");
+  m.def("top_log_probs", &top_log_probs, "the k largest log_softmax values of each row and their columns");
+  m.def("head_top", &head_top, "RMSNorm, a packed draft head, then top_log_probs, in one call");
+  m.def("keep_entries", &keep_entries, "every layer's cache: the prefix, the root and the accepted nodes' entries");
+  m.def("argmax_rows", &argmax_rows, "the first maximal column of each row (NaN first), as torch.max(dim=-1)");
   m.def("attention_supported", &attention_supported, "whether attention takes this head dim");
   m.def("attention", &attention, "few-query grouped attention: q [B,H,n,D], k/v [B,KV,L,D], mask -> [B,n,H,D]");
 }
