@@ -12,10 +12,13 @@ answers of MT-bench questions 1-40 (docs/RESULTS.md, "Drafts without a model"):
 - **Several earlier occurrences disagree.** The continuations of the ``num_candidates`` latest occurrences of the
   longest match are counted into a tree (``lookup.tree.count_tree``): the ``nodes`` paths most of them share.
 
-The default budget is 8 nodes. 15 were chosen where a 16-token verification cost about what 8 did (float32
+The default budget is 6 nodes. 15 were chosen where a 16-token verification cost about what 8 did (float32
 weights, memory-bound steps); on weights streamed as their exact GGUF grid a step is bound by the multiply-adds from a
 few tokens on (8 tokens ~1.5x one token on a 2-core Xeon), and 8 nodes decoded MT-bench 1-40 at 1.60x against 1.42x
-for 15 (docs/RESULTS.md, "Exact grids"). ``lookup[nodes=15]`` restores the old tree.
+for 15 (docs/RESULTS.md, "Exact grids"). Once the whole decoder stack ran as one call (a plain step 9.5 -> 7.4 ms,
+the extra tokens costing what they did), a replay of MT-bench 1-40 against the new curve put 6 nodes first (1.66x
+predicted; 8: 1.61x, 4: 1.61x, a budget of 2-4 nodes per matched token 1.64-1.65x; docs/RESULTS.md, "One call for
+the whole stack"). ``lookup[nodes=15]`` restores the old tree, ``lookup[nodes=8]`` the last one.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class LookupDrafter(DrafterBase):
         nodes: node budget of the tree (``None``: every distinct continuation in full).
         tokens_per_match: draft depth per matched token (depth ``min(num_tokens, tokens_per_match * n)`` for an
             ``n``-token match); ``None`` always drafts ``num_tokens``.
+        nodes_per_match: node budget per matched token (``min(nodes, nodes_per_match * n)``): a weak match proposes
+            fewer nodes, where verifying them costs more than they are likely to return; ``None``: ``nodes``.
 
     ``LookupDrafter(max_ngram=3, num_tokens=4, num_candidates=1, nodes=None, tokens_per_match=None)`` is classic
     prompt lookup (one chain of 4).
@@ -103,11 +108,11 @@ class LookupDrafter(DrafterBase):
     """
 
     def __init__(self, max_ngram: int = 32, min_ngram: int = 1, num_tokens: int = 15, num_candidates: int = 8,
-                 nodes: int | None = 8, tokens_per_match: int | None = 4):
+                 nodes: int | None = 6, tokens_per_match: int | None = 4, nodes_per_match: int | None = None):
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
                             ("num_candidates", num_candidates), ("nodes", nodes),
-                            ("tokens_per_match", tokens_per_match)):
-            if value is None and name in ("nodes", "tokens_per_match"):
+                            ("tokens_per_match", tokens_per_match), ("nodes_per_match", nodes_per_match)):
+            if value is None and name in ("nodes", "tokens_per_match", "nodes_per_match"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LookupDrafter {name} must be an integer >= 1, got {value!r}")
@@ -115,6 +120,7 @@ class LookupDrafter(DrafterBase):
             raise ValueError(f"LookupDrafter min_ngram ({min_ngram}) exceeds max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
         self.num_candidates, self.nodes, self.tokens_per_match = num_candidates, nodes, tokens_per_match
+        self.nodes_per_match = nodes_per_match
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         tokens = state.sequence[0].detach().cpu().numpy()
@@ -124,11 +130,13 @@ class LookupDrafter(DrafterBase):
         depth = self.num_tokens if self.tokens_per_match is None else min(self.num_tokens, self.tokens_per_match * n)
         continuations = [tokens[end + 1:end + 1 + depth].tolist() for end in ends[:self.num_candidates].tolist()]
         nodes = self.nodes if self.nodes is not None else depth * len(continuations)
+        if self.nodes_per_match is not None:
+            nodes = min(nodes, self.nodes_per_match * n)
         return count_tree(continuations, nodes)
 
 
 #: the options ``make_lookup_drafter`` accepts; ``none`` turns off the two that can be unbounded
-_OPTIONS = ("max_ngram", "min_ngram", "num_tokens", "num_candidates", "nodes", "tokens_per_match")
+_OPTIONS = ("max_ngram", "min_ngram", "num_tokens", "num_candidates", "nodes", "tokens_per_match", "nodes_per_match")
 
 
 def make_lookup_drafter(model, heads_dir=None, **options) -> LookupDrafter:

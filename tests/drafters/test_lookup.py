@@ -78,6 +78,10 @@ def test_the_draft_grows_with_the_match_and_follows_the_majority():
     assert long.tokens.tolist() == [5, 6, 7, 1]  # 4 matched tokens: 4 drafted, running into the root
     classic = LookupDrafter(max_ngram=3, num_tokens=4, num_candidates=1, nodes=None, tokens_per_match=None)
     assert classic.propose(_state(seq)).tokens.tolist() == [1, 2, 3, 4]
+    # a node budget per matched token: the 2-token match gets 2 * 2 of the 5 nodes (the majority path first)
+    assert LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5, nodes_per_match=2).propose(
+        _state(seq)).tokens.tolist() == [1, 2, 3, 4]
+    assert make_drafter("lookup", None, None, nodes_per_match="none").nodes_per_match is None
     assert LookupDrafter().propose(_state([1, 2, 3])) is None
 
 
@@ -107,6 +111,8 @@ def test_lookup_drafter_errors():
         make_drafter("lookup", None, width=2)
     with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
         LookupDrafter(nodes=0)
+    with pytest.raises(ValueError, match="nodes_per_match must be an integer >= 1"):
+        LookupDrafter(nodes_per_match=0)
 
 
 def test_merge_shares_common_paths_and_keeps_parents_first():

@@ -237,6 +237,12 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
     monkeypatch.setattr(lean, "FUSED_STACK", False)
     assert torch.equal(changed, step_logits()) and not torch.equal(kept, changed)
     monkeypatch.setattr(lean, "FUSED_STACK", True)
+    norm = model.model.layers[2].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)  # a norm weight replaced: the stack is rebuilt
+    replaced = step_logits()
+    monkeypatch.setattr(lean, "FUSED_STACK", False)
+    assert torch.equal(replaced, step_logits()) and not torch.equal(replaced, changed)
+    monkeypatch.setattr(lean, "FUSED_STACK", True)
 
     assert_random_trees_decode_losslessly(model)
     prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 9)]
