@@ -45,9 +45,12 @@ def cost_curves(model: Any, sizes: Sequence[int], backends: Sequence[str] = ("st
     with torch.inference_mode():
         cache = kv.new_cache(model, capacity=prefix + max(sizes) + 8)
         model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
-        for round_ in range(warmup + repeats):  # the warm-up rounds pack weights and fault pages in
-            for backend in backends:
-                with linear_backend(model, backend):
+        # One backend at a time: a stock forward streams the float32 weights (538 MB for SmolLM2) and evicts what a
+        # grid backend's next forward would find in cache, as decoding on one backend never does (interleaved
+        # rounds measured SmolLM2's 1-token skinny forward at 10.4 ms where decoding sees 8.8).
+        for backend in backends:
+            with linear_backend(model, backend):
+                for round_ in range(warmup + repeats):  # the warm-up rounds pack weights and fault pages in
                     for n in sizes:
                         _sync(device)
                         start = time.perf_counter()
