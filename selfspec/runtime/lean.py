@@ -20,7 +20,7 @@ attention is the skinny kernel's, the whole layer runs as one extension call ins
 give, without the Python between them; a feature drafter's draft layer takes it too). ``FUSED_LAYERS = False``
 turns that off, for comparisons (``scripts/forward_ab.py --compare fused``).
 
-Where every layer of a Llama decoder would run as that one call, the decoder runs all of them as one
+Where every layer of a Llama, Mistral or Qwen2 decoder would run as that one call, the decoder runs all of them as one
 (``_LeanStack`` -> ``skinny.DecoderStack``, built once over the layers' packed weights and rebuilt when one changes):
 the per-layer Python (a module call with its hooks, seven kernel checks, the attention check, the cache bookkeeping:
 ~30 us a layer) and transformers' layer loop go, and a plain SmolLM2 step on a 2-core Xeon went from 9.5-10.3 ms
@@ -109,9 +109,9 @@ FUSED_LAYERS = True
 #: Whether a decoder whose every layer would take that one call runs its whole stack as one call
 #: (``skinny.DecoderStack``: the same per-layer calls in C++, bitwise the same result); needs ``FUSED_LAYERS``.
 FUSED_STACK = True
-#: Decoders whose forward ``_LeanStack`` mirrors (one full-attention mask for every layer: Mistral and Qwen2 may mix
-#: in sliding-window layers, and keep the per-layer path).
-STACK_MODEL_TYPES = ("llama",)
+#: Decoders whose forward ``_LeanStack`` mirrors: one mask for every layer (a Qwen2 decoder that mixes in
+#: sliding-window layers keeps the per-layer path; Mistral's one mask is its sliding-window one where it has a window).
+STACK_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _skinny_linear_class():
@@ -307,7 +307,8 @@ class _LeanForward:
 
 
 class _LeanStack:
-    """A Llama decoder's (``LlamaModel``) ``forward`` that runs all its layers as one extension call
+    """A Llama-family decoder's (``LlamaModel``, ``MistralModel``, ``Qwen2Model``) ``forward`` that runs all its
+    layers as one extension call
     (``skinny.DecoderStack``) where each layer would run as one (``fused_block``): a decode step's few rows, every
     layer lean with its linears packed as they are now, a buffered cache (``selfspec.runtime.cache``) and the skinny
     attention kernel. The embedding, position ids, mask (transformers' ``create_causal_mask``), rotary embedding and
@@ -326,7 +327,14 @@ class _LeanStack:
         self._stack = None
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self._mask_function = getattr(sys.modules.get(type(decoder).__module__), "create_causal_mask", None)
+        # the mask the decoder's forward builds for its layers, from its own module's functions
+        modeling = sys.modules.get(type(decoder).__module__)
+        name = "create_causal_mask"
+        if getattr(decoder.config, "model_type", None) == "mistral" and decoder.config.sliding_window is not None:
+            name = "create_sliding_window_causal_mask"
+        self._mask_function = getattr(modeling, name, None)
+        if getattr(decoder, "has_sliding_layers", False):  # Qwen2 with sliding-window layers: a mask per layer type
+            self._mask_function = None
 
     def _fallback(self, *args, **kwargs):
         return type(self.decoder).forward(self.decoder, *args, **kwargs)
@@ -395,6 +403,7 @@ class _LeanStack:
     def _run(self, input_ids, attention_mask, position_ids, cache, want_hidden: bool):
         decoder = self.decoder
         if (torch.is_grad_enabled() or decoder.training or input_ids.dim() != 2 or self._mask_function is None
+                or isinstance(attention_mask, dict)  # masks per layer type, prepared by generate
                 or decoder.config.num_hidden_layers != len(self.layers)):  # HF's early-exit assistant: fewer layers
             return None
         batch, n = input_ids.shape

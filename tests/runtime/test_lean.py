@@ -143,8 +143,9 @@ def stack_calls(model) -> int:
     return forward.calls if forward is not None else 0
 
 
-def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
-    """A Llama decoder whose every layer would run as one extension call runs all of them as one
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases; mistral: its window mask
+def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(arch, monkeypatch):
+    """A Llama-family decoder whose every layer would run as one extension call runs all of them as one
     (``skinny.DecoderStack``): logits, every hidden state and the cache entries equal the per-layer calls' bit for
     bit, for one token, a masked tree, a chain after a rollback and a left-padded batch; decoding stays lossless;
     what it does not take (a long prefill, gradients, hidden states selected by index, transformers' own cache,
@@ -156,7 +157,7 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
     from selfspec.runtime import lean
     from selfspec.runtime.cache import crop, keep_accepted, new_cache
 
-    model = tiny_model("llama", dtype=torch.float32, head_dim=64)
+    model = tiny_model(arch, dtype=torch.float32, head_dim=64)
     set_linear_backend(model, "skinny")
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 96, (1, 14), generator=gen)
@@ -253,3 +254,14 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(monkeypatch):
     assert stack_calls(model) > calls
     set_linear_backend(model, "stock")
     assert "forward" not in model.model.__dict__
+
+
+def test_a_qwen2_decoder_with_sliding_window_layers_keeps_the_per_layer_path():
+    """A Qwen2 decoder that mixes in sliding-window layers builds a mask per layer type, which the whole-stack call
+    does not mirror: it keeps the per-layer calls, and decodes losslessly."""
+    model = tiny_model("qwen2", dtype=torch.float32, head_dim=64, use_sliding_window=True, sliding_window=256,
+                       max_window_layers=1)
+    assert model.model.has_sliding_layers
+    set_linear_backend(model, "skinny")
+    assert_random_trees_decode_losslessly(model)
+    assert stack_calls(model) == 0
