@@ -187,7 +187,9 @@ class DatastoreDrafter(DrafterBase):
 
     Args:
         datastore: the corpus and its index.
-        nodes: node budget of the tree.
+        nodes: node budget of the tree. 2 by default: merged with prompt lookup (6 nodes), a replay of MT-bench 1-40's
+            answers against a 2-core Xeon's cost curve with the decoder stack in one call predicted 1.76x for 2
+            nodes, 1.65x for 4, 1.59x for 6 (docs/RESULTS.md, "One call for the whole stack").
         num_tokens: deepest draft.
         min_ngram: shortest match that drafts (a one-token match says little about the next tokens).
         max_ngram: longest match sought (at most the datastore's ``context``).
@@ -198,7 +200,7 @@ class DatastoreDrafter(DrafterBase):
         ValueError: sizes below 1, ``min_ngram > max_ngram``, ``min_score`` outside [0, 1).
     """
 
-    def __init__(self, datastore: Datastore, *, nodes: int = 4, num_tokens: int = 4, min_ngram: int = 2,
+    def __init__(self, datastore: Datastore, *, nodes: int = 2, num_tokens: int = 4, min_ngram: int = 2,
                  max_ngram: int = 16, min_score: float = 0.05, max_occurrences: int = 64):
         for name, value in (("nodes", nodes), ("num_tokens", num_tokens), ("min_ngram", min_ngram),
                             ("max_ngram", max_ngram), ("max_occurrences", max_occurrences)):

@@ -929,9 +929,9 @@ std::vector<torch::Tensor> top_log_probs(const torch::Tensor& logits, int64_t k)
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = src + r * V;
     int64_t filled = 0;
-    float floor = kNegInf;  // the k-th best so far (-inf until k are held): only larger values enter
+    float kth = kNegInf;  // the k-th best so far (-inf until k are held): only larger values enter
     auto offer = [&](float v, int64_t j) {
-      if (!(v == v) || (filled == k && !(v > floor))) return;  // NaN never; ties keep the earlier column
+      if (!(v == v) || (filled == k && !(v > kth))) return;  // NaN never; ties keep the earlier column
       int64_t at = filled < k ? filled++ : k - 1;
       while (at > 0 && v > best[at - 1]) {
         best[at] = best[at - 1];
@@ -940,7 +940,7 @@ std::vector<torch::Tensor> top_log_probs(const torch::Tensor& logits, int64_t k)
       }
       best[at] = v;
       where[at] = j;
-      if (filled == k) floor = best[k - 1];
+      if (filled == k) kth = best[k - 1];
     };
     // one pass: the lane-wise maximum, and the top k from the few vectors that hold a value above the k-th best
     vec top_lanes = vec{} + kNegInf;
@@ -948,7 +948,7 @@ std::vector<torch::Tensor> top_log_probs(const torch::Tensor& logits, int64_t k)
     for (; i + kLanes <= V; i += kLanes) {
       const vec v = *reinterpret_cast<const vec_unaligned*>(x + i);
       top_lanes = v > top_lanes ? v : top_lanes;  // NaN compares false: never the maximum
-      if (filled < k || any_lane(v > (vec{} + floor)))
+      if (filled < k || any_lane(v > (vec{} + kth)))
         for (int j = 0; j < kLanes; ++j) offer(v[j], i + j);
     }
     float top = kNegInf;
@@ -1005,7 +1005,7 @@ std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>> keep_entries(
     for (const torch::Tensor* t : {&k_buffers[l], &v_buffers[l]}) {
       const torch::Tensor& b = *t;
       TORCH_CHECK(b.dim() == 4 && b.scalar_type() == torch::kFloat32 && b.device().is_cpu() && b.stride(3) == 1 &&
-                      b.stride(2) == b.size(3) && prefix + 1 + (count ? accepted[count - 1] : 0) < b.size(2) + 1,
+                      b.stride(2) == b.size(3) && prefix + 1 + (count ? accepted[count - 1] + 1 : 0) <= b.size(2),
                   "skinny keep_entries: buffer ", b.sizes(), " for ", prefix, " + ", end - prefix, " entries");
       float* base = b.data_ptr<float>();
       const int64_t D = b.size(3);
@@ -1043,6 +1043,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
       column = lane_index;  // every lane's first column holds -inf until something larger comes
       int64_t i = 0;
       bool filled = false;
+      // (columns are tracked in 32-bit lanes: a row past 2^30 columns finishes in the scalar loop below)
       for (; i + kLanes <= V && i + kLanes <= (int64_t{1} << 30); i += kLanes) {
         const vec v = *reinterpret_cast<const vec_unaligned*>(x + i);
         nan |= v != v;
