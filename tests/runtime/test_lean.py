@@ -20,6 +20,30 @@ def lean_calls(model) -> int:
     return sum(layer.forward.calls for layer in model.model.layers if "forward" in layer.__dict__)
 
 
+def step_outputs(model, ids: torch.Tensor, tree, capacity: int, chain: bool = False) -> list[torch.Tensor]:
+    """What a fused path must reproduce bitwise: the logits and hidden states of a one-token step after a 10-token
+    prefill, then (rolled back) of a tree verification, with ``chain`` then a rollback to three of the tree's nodes and
+    a 3-token chain under a 2-D mask; and every cache entry at the end."""
+    from decoding.generate import verify_forward
+    from selfspec.runtime.cache import crop, keep_accepted, new_cache
+
+    cache = new_cache(model, capacity)
+    outs = []
+    with torch.inference_mode():
+        model(ids[:, :10], cache=cache, use_cache=True)
+        one = model(ids[:, 10:11], cache=cache, use_cache=True, output_hidden_states=True)
+        outs += [one.logits, *one.hidden_states]
+        crop(cache, 10)
+        step = verify_forward(model, cache, int(ids[0, 10]), tree, output_hidden_states=True)
+        outs += [step.logits, *step.hidden_states]
+        if chain:
+            keep_accepted(cache, 10, [0, 1, 3])
+            more = model(ids[:, 11:14], cache=cache, use_cache=True, attention_mask=torch.ones(1, 17, dtype=torch.long))
+            outs.append(more.logits)
+        outs += [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return outs
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases, sliding-window kwargs
 @pytest.mark.parametrize("head_dim", [None, 64])  # 64: the attention kernel too
 def test_lean_layers_compute_the_layers_and_decode_losslessly(arch, head_dim):
@@ -93,10 +117,8 @@ def test_a_fused_layer_is_the_lean_layer_bitwise(arch, monkeypatch):
     a cache it does not know (transformers' own) goes the twelve-call way."""
     from transformers import DynamicCache
 
-    from decoding.generate import verify_forward
     from decoding.tree import DraftTree
     from selfspec.runtime import lean
-    from selfspec.runtime.cache import crop, new_cache
 
     model = tiny_model(arch, dtype=torch.float32, head_dim=64)
     set_linear_backend(model, "skinny")
@@ -110,16 +132,7 @@ def test_a_fused_layer_is_the_lean_layer_bitwise(arch, monkeypatch):
 
     def run(enabled: bool):
         monkeypatch.setattr(lean, "FUSED_LAYERS", enabled)
-        cache = new_cache(model, 32)
-        outs = []
-        with torch.inference_mode():
-            model(ids[:, :10], cache=cache, use_cache=True)
-            one = model(ids[:, 10:11], cache=cache, use_cache=True, output_hidden_states=True)
-            outs += [one.logits, *one.hidden_states]
-            crop(cache, 10)
-            step = verify_forward(model, cache, int(ids[0, 10]), tree, output_hidden_states=True)
-            outs += [step.logits, *step.hidden_states, cache.layers[1].keys, cache.layers[1].values]
-        return outs
+        return step_outputs(model, ids, tree, 32)
 
     plain = run(False)
     assert not fused
@@ -152,10 +165,9 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(arch, monkeyp
     a weight changed in place until repacked) goes the per-layer way or is repacked."""
     from transformers import DynamicCache
 
-    from decoding.generate import verify_forward
     from decoding.tree import DraftTree
     from selfspec.runtime import lean
-    from selfspec.runtime.cache import crop, keep_accepted, new_cache
+    from selfspec.runtime.cache import new_cache
 
     model = tiny_model(arch, dtype=torch.float32, head_dim=64)
     set_linear_backend(model, "skinny")
@@ -165,20 +177,7 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(arch, monkeyp
 
     def run(enabled: bool):
         monkeypatch.setattr(lean, "FUSED_STACK", enabled)
-        cache = new_cache(model, 40)
-        outs = []
-        with torch.inference_mode():
-            model(ids[:, :10], cache=cache, use_cache=True)
-            one = model(ids[:, 10:11], cache=cache, use_cache=True, output_hidden_states=True)
-            outs += [one.logits, *one.hidden_states]
-            crop(cache, 10)
-            step = verify_forward(model, cache, int(ids[0, 10]), tree, output_hidden_states=True)
-            outs += [step.logits, *step.hidden_states]
-            keep_accepted(cache, 10, [0, 1, 3])
-            chain = model(ids[:, 11:14], cache=cache, use_cache=True,
-                          attention_mask=torch.ones(1, 17, dtype=torch.long))
-            outs += [chain.logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return outs
+        return step_outputs(model, ids, tree, 40, chain=True)
 
     before = stack_calls(model)
     per_layer = run(False)
