@@ -391,10 +391,17 @@ class _LeanStack:
                  position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
                  use_cache: bool | None = None, **kwargs):
         out = None
+        config = self.decoder.config
+        # what the class's forward would read from the config where the call does not say
+        hidden = kwargs.get("output_hidden_states")
+        hidden = getattr(config, "output_hidden_states", False) if hidden is None else hidden
+        attentions = kwargs.get("output_attentions")
+        attentions = getattr(config, "output_attentions", False) if attentions is None else attentions
+        return_dict = kwargs.get("return_dict")
+        return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
         if FUSED_STACK and FUSED_LAYERS and input_ids is not None and inputs_embeds is None and use_cache is not False \
-                and set(kwargs) <= _STACK_KWARGS and kwargs.get("output_hidden_states") in (None, False, True) \
-                and kwargs.get("return_dict", True) and not kwargs.get("output_attentions"):
-            out = self._run(input_ids, attention_mask, position_ids, cache, bool(kwargs.get("output_hidden_states")))
+                and set(kwargs) <= _STACK_KWARGS and hidden in (False, True) and return_dict and not attentions:
+            out = self._run(input_ids, attention_mask, position_ids, cache, bool(hidden))
         if out is None:
             return self._fallback(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)

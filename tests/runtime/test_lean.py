@@ -185,6 +185,14 @@ def test_the_whole_stack_as_one_call_is_the_per_layer_path_bitwise(arch, monkeyp
     whole = run(True)
     assert stack_calls(model) == before + 3  # the one-token step, the tree, the chain after the rollback
     assert len(per_layer) == len(whole) and all(torch.equal(a, b) for a, b in zip(per_layer, whole))
+    calls = stack_calls(model)
+    model.config.output_hidden_states = True  # the config's default for the call: hidden states come back too
+    with torch.inference_mode():
+        cache = new_cache(model, 16)
+        model(ids[:, :4], cache=cache, use_cache=True)
+        assert len(model(ids[:, 4:5], cache=cache, use_cache=True).hidden_states) == model.config.num_hidden_layers + 1
+    model.config.output_hidden_states = False
+    assert stack_calls(model) == calls + 1
 
     calls = stack_calls(model)
     with torch.inference_mode():
