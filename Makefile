@@ -29,9 +29,11 @@ DEMO_TRAIN ?= 1
 demo: install
 ifeq ($(DEMO_TRAIN),1)
 	$(PY) train/medusa.py --config configs/medusa/smollm2-135m.yaml output_dir=$(DEMO_DIR) heads_dir=$(DEMO_DIR)/heads
-	# Pick the tree that is fastest on this machine (verification cost differs a lot between CPUs and GPUs).
 	$(PY) -m selfspec.cli datastore --data $(DEMO_DIR)/data/distilled --out $(DEMO_DIR)/datastore
-	$(PY) -m selfspec.cli calibrate --heads $(DEMO_DIR)/heads --sizes 1,2,3,4,6,8,16 --repeats 5 --no-measure
+	# Pick the tree that is fastest on this machine (verification cost differs a lot between CPUs and GPUs), merged
+	# with lookup and the datastore as the demo decodes.
+	$(PY) -m selfspec.cli calibrate --heads $(DEMO_DIR)/heads --sizes 1,2,3,4,6,8,16 --repeats 5 --no-measure \
+		--merged-with lookup+datastore:$(DEMO_DIR)/datastore
 	$(PY) -m selfspec.cli demo --heads $(DEMO_DIR)/heads --datastore $(DEMO_DIR)/datastore
 else
 	$(PY) -m selfspec.cli demo
