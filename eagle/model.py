@@ -366,9 +366,7 @@ class EagleDraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., draft_vocab_size]`` of draft outputs ``[..., hidden]``."""
         shared = self.shared_head
-        head = self.lm_head if self.lm_head is not None else shared
-        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and lean.is_lean_kernel(head.__dict__.get("forward"))):
+        if self._lean_head(hidden) is not None:
             # decoding on the skinny backend: the final RMSNorm as one pass (as the lean layers run theirs)
             rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
             normed = skinny.rms_norm(rows, self.norm.weight, self.norm.variance_epsilon).view(hidden.shape)
@@ -381,16 +379,24 @@ class EagleDraftModel(nn.Module):
             return F.linear(normed, shared.weight.to(normed.dtype), bias)
         return shared(normed)
 
+    def _lean_head(self, hidden: torch.Tensor):
+        """The draft head's skinny kernel where decoding runs it on the skinny backend (no gradients, float32 CPU
+        rows), which is where the extension's norm and ranking apply; None otherwise."""
+        head = self.lm_head if self.lm_head is not None else self.shared_head
+        kernel = head.__dict__.get("forward")
+        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and lean.is_lean_kernel(kernel)):
+            return kernel
+        return None
+
     def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log-probabilities, draft columns)`` ``[rows, k]`` of the ``k`` best draft tokens below each draft output
         ``hidden [rows, hidden]``, best first: ``log_softmax(logits(hidden)).topk(k)``. On the skinny backend the
         final norm, the head and the ranking run as one extension call (``skinny.head_top``)."""
         k = min(k, self.config.draft_vocab_size)
         head = self.lm_head if self.lm_head is not None else self.shared_head
-        kernel = head.__dict__.get("forward")
-        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and lean.is_lean_kernel(kernel)
-                and kernel._current(head._parameters["weight"], head._parameters.get("bias"))):
+        kernel = self._lean_head(hidden)
+        if kernel is not None and kernel._current(head._parameters["weight"], head._parameters.get("bias")):
             return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(), self.norm.weight,
                                    self.norm.variance_epsilon, kernel._weight, head.out_features,
                                    head._parameters.get("bias"), k)

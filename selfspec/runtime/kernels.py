@@ -14,9 +14,9 @@ vector busy for all rows, so on float32 weights a step of 8 tokens costs 1.1-1.4
 curve per machine; ``selfspec cost`` prints this one's). A weight that lies exactly on a GGUF Q4_1 or Q8_0 block grid
 (every weight of a model loaded from such a file) is streamed as that grid and rebuilt bit for bit on load
 (``skinny.pack_exact``): the same outputs from 3.6-6.4x fewer bytes, so one token costs about half as much and a
-step becomes bound by the multiply-adds from a few tokens on. Calls with more rows (prefill) take the stock path. The parameters
-are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each layer keeps a packed copy of
-its weight, repacked when the parameter changes. ``"auto"`` measures forwards of a plain step and of the tree sizes
+step becomes bound by the multiply-adds from a few tokens on. Calls with more rows (prefill) take the stock path. The
+parameters are untouched (the identity fingerprint, ``state_dict`` and saving are unchanged); each layer keeps a
+packed copy of its weight, repacked when the parameter changes. ``"auto"`` measures forwards of a plain step and of the tree sizes
 drafters verify (``AUTO_SIZES``) on each available backend, keeps the fastest in total, and remembers the choice per
 CPU, model and kernel build. Every backend but ``stock`` also runs a model's masked grouped-query attention (tree
 verification, padded batches) without copying its KV heads (``selfspec.runtime.attention.GQA_SDPA``), and ``skinny``
@@ -48,7 +48,7 @@ from torch import nn
 
 from selfspec.runtime import skinny
 from selfspec.runtime.attention import GQA_SDPA, SKINNY_ATTENTION, use_attention
-from selfspec.runtime.lean import use_lean_layers
+from selfspec.runtime.lean import tensor_version, use_lean_layers
 
 BACKENDS = ("stock", "onednn", "skinny", "auto")
 #: drafters' own weights on the skinny kernel (``set_draft_weights``): what their layers run on where the base runs on
@@ -106,7 +106,8 @@ class _PackedLinear:
     def _current(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Pack ``weight`` (and ``bias``) unless the packed copy is of them as they are now; False when the kernel
         cannot take them (not float32 on the CPU)."""
-        key = (weight.data_ptr(), _version(weight), None if bias is None else (bias.data_ptr(), _version(bias)))
+        key = (weight.data_ptr(), tensor_version(weight),
+               None if bias is None else (bias.data_ptr(), tensor_version(bias)))
         if key == self._key:
             return True
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
@@ -183,12 +184,6 @@ class _SkinnyHalfLinear(_SkinnyLinear):
 
 
 _KERNELS = {"onednn": _OneDNNLinear, "skinny": _SkinnyLinear, SKINNY_HALF: _SkinnyHalfLinear}
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """In-place change counter; inference tensors (made under ``torch.inference_mode``) keep none, so a layer built
-    from them is packed once."""
-    return None if tensor.is_inference() else tensor._version
 
 
 def packed_formats(model: nn.Module) -> dict[str, int]:

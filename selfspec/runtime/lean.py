@@ -323,8 +323,7 @@ class _LeanStack:
         self.calls = 0
         self.skinny_linear = _skinny_linear_class()
         self._interface = InterfaceLookup()
-        self._pairs: list = []  # (linear module, its kernel, weight, version) the stack was built from
-        self._stack = None
+        self._stack = None  # and, once built, what it was built from (``_unchanged``)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         # the mask the decoder's forward builds for its layers, from its own module's functions
@@ -347,29 +346,25 @@ class _LeanStack:
             return self._stack
         per_layer = [kernels_of(_linears(layer), self.skinny_linear) for layer in self.layers]
         if any(k is None for k in per_layer):
-            self._pairs, self._stack = [], None
+            self._stack = None
             return None
-        pairs, packed, biases, widths = [], [], [], []
-        for kernels in per_layer:
-            modules = [k.module for k in kernels]
-            pairs += [(m, k, m._parameters["weight"], _version_of(m._parameters["weight"]))
-                      for m, k in zip(modules, kernels)]
-            packed.append([k._weight for k in kernels])
-            biases.append([m._parameters.get("bias") for m in modules])
-            widths.append([m.out_features for m in modules])
         layers = self.layers
+        kernels = [k for layer_kernels in per_layer for k in layer_kernels]
+        modules = [k.module for k in kernels]
         self._stack = skinny.extension().DecoderStack(
             [layer.input_layernorm.weight for layer in layers],
-            [float(layer.input_layernorm.variance_epsilon) for layer in layers], packed, biases, widths,
+            [float(layer.input_layernorm.variance_epsilon) for layer in layers],
+            [[k._weight for k in ks] for ks in per_layer],
+            [[k.module._parameters.get("bias") for k in ks] for ks in per_layer],
+            [[k.module.out_features for k in ks] for ks in per_layer],
             [float(layer.self_attn.scaling) for layer in layers],
             [layer.post_attention_layernorm.weight for layer in layers],
             [float(layer.post_attention_layernorm.variance_epsilon) for layer in layers], self.head_dim)
-        self._pairs = pairs
-        self._slots = [module.__dict__ for module, *_ in pairs]
-        self._params = [module._parameters for module, *_ in pairs]
-        self._kernels = [kernel for _, kernel, _, _ in pairs]
-        self._weights = [weight for _, _, weight, _ in pairs]
-        self._versions = [version for *_, version in pairs]
+        self._slots = [module.__dict__ for module in modules]
+        self._params = [module._parameters for module in modules]
+        self._kernels = kernels
+        self._weights = [params["weight"] for params in self._params]
+        self._versions = [tensor_version(weight) for weight in self._weights]
         self._norm_params = [norm._parameters for layer in layers
                              for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         self._norms = [params["weight"] for params in self._norm_params]
@@ -384,7 +379,7 @@ class _LeanStack:
                 and all(map(is_, [params["weight"] for params in self._params], self._weights))
                 and all(map(is_, [params.get("bias") for params in self._params], self._biases))
                 and all(map(is_, [params["weight"] for params in self._norm_params], self._norms))
-                and (list(map(_version_of, self._weights)) if None in self._versions
+                and (list(map(tensor_version, self._weights)) if None in self._versions
                      else [weight._version for weight in self._weights]) == self._versions)
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -417,12 +412,9 @@ class _LeanStack:
         if not 0 < batch * n <= skinny.MAX_ROWS:
             return None
         held = getattr(cache, "layers", None)
-        if held is None or len(held) != len(self.layers):
+        if held is None or len(held) != len(self.layers) or getattr(held[0], "keys", None) is None:
             return None
-        first = held[0]
-        if type(first) is not BufferedLayer or first.keys is None or first._key_buffer is None:
-            return None
-        length = first.keys.shape[-2]
+        length = held[0].keys.shape[-2]
         for layer in held:
             if (type(layer) is not BufferedLayer or layer._key_buffer is None or layer.keys is None
                     or layer.keys.shape[-2] != length or layer._key_buffer.shape[0] != batch):
@@ -490,9 +482,12 @@ def stack_calls(model: nn.Module) -> int:
 _STACK_KWARGS = frozenset({"output_hidden_states", "return_dict", "output_attentions"})
 
 
-def _version_of(tensor: torch.Tensor) -> int | None:
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """In-place change counter; inference tensors (made under ``torch.inference_mode``) keep none, so a layer built
+    from them is packed once (``selfspec.runtime.kernels``) and a stack over them built once."""
     return None if tensor.is_inference() else tensor._version
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "InterfaceLookup", "attention_interface", "block", "fused_block", "is_lean_kernel",
-           "kernels_of", "layer_kernels", "run_kernel", "stack_calls", "supported", "use_lean_layers"]
+           "kernels_of", "layer_kernels", "run_kernel", "stack_calls", "supported", "tensor_version",
+           "use_lean_layers"]
