@@ -4,7 +4,7 @@
 (``decoding.registry``) and are built by name with ``make_drafter``.
 """
 
-from decoding.combine import CombinedDrafter, combine, merge_trees
+from decoding.combine import CombinedDrafter, FallbackDrafter, combine, fallback, merge_trees
 from decoding.drafter import ContextDrafter, DecodeState, Drafter, DrafterBase, EmptyDrafter, SamplingParams
 from decoding.generate import GenerateOutput, GenerationStats, generate
 from decoding.registry import available_drafters, make_drafter, register_drafter
@@ -13,6 +13,7 @@ from decoding.verify import Verdict
 
 __all__ = [
     "CombinedDrafter", "ContextDrafter", "DecodeState", "Drafter", "DrafterBase", "DraftTree", "EmptyDrafter",
+    "FallbackDrafter",
     "GenerateOutput", "GenerationStats", "SamplingParams", "TreeTemplate", "Verdict", "available_drafters",
-    "combine", "generate", "make_drafter", "merge_trees", "register_drafter",
+    "combine", "fallback", "generate", "make_drafter", "merge_trees", "register_drafter",
 ]

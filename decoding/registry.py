@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from decoding.combine import combine
+from decoding.combine import combine, fallback
 from decoding.drafter import Drafter
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
@@ -88,8 +88,20 @@ def parse_part(text: str) -> tuple[str, str | None, dict[str, Any]]:
     return name, directory or None, options
 
 
+class Part(NamedTuple):
+    """One drafter of a spec: its name, its directory (or None), and whether it only drafts where the part before it
+    proposes nothing (``a|b``: ``b`` is a fallback of ``a``)."""
+
+    name: str
+    directory: str | None
+    fallback: bool = False
+
+
 def make_drafter(name: str, model: Any, heads_dir: str | None = None, **options: Any) -> Drafter:
-    """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.combine``).
+    """Build a registered drafter; ``"a+b"`` combines drafters into one tree (``decoding.combine``), ``"a|b"`` asks
+    ``b`` only in the steps where ``a`` proposes nothing (``decoding.fallback``; ``|`` binds tighter than ``+``:
+    ``"lookup|eagle:HEADS+datastore:STORE"`` merges the datastore's tree with lookup's, or with the feature
+    drafter's where lookup has none).
 
     Each part may name its own directory and options, as benchmark methods do:
     ``"medusa:HEADS+lookup[nodes=8]+datastore:STORE"`` (``parse_part``). A part without a directory gets
@@ -116,25 +128,33 @@ def resolve_spec(name: str, heads_dir: str | None = None,
         ValueError: a directory given both in ``name`` and as ``heads_dir`` for the first drafter; a malformed option.
     """
     parts, options = [], dict(options or {})
-    pieces = [parse_part(part) for part in name.split("+")]
-    for i, (part_name, part_dir, part_options) in enumerate(pieces):
+    pieces = [(parse_part(alternative), j > 0) for part in name.split("+")
+              for j, alternative in enumerate(part.split("|"))]
+    for i, ((part_name, part_dir, part_options), falls_back) in enumerate(pieces):
+        if not part_name:
+            raise ValueError(f"drafter spec {name!r}: an empty part; write NAME[:DIR] between '+' and '|'")
         if part_dir and i == 0 and heads_dir is not None:
             raise ValueError(f"drafter {part_name!r} is given two directories: {part_dir!r} in {name!r} and "
                              f"{heads_dir!r}; give one")
-        parts.append((part_name, part_dir or (heads_dir if i == 0 else None)))
+        parts.append(Part(part_name, part_dir or (heads_dir if i == 0 else None), falls_back))
         prefix = f"{part_name}." if len(pieces) > 1 else ""
         options.update({prefix + key: value for key, value in part_options.items()})
     return parts, options
 
 
-def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:
-    """Drafters ``[(name, heads_dir), ...]`` combined into one tree; see ``make_drafter`` for how options are
-    routed.
+def make_combined(parts: list[Part] | list[tuple[str, str | None]], model: Any, options: dict[str, Any]) -> Drafter:
+    """Drafters ``[Part(name, heads_dir, fallback), ...]`` (or ``(name, heads_dir)`` pairs) combined into one tree,
+    a part marked ``fallback`` asked only where the one before it proposes nothing; see ``make_drafter`` for how
+    options are routed.
 
     Raises:
-        KeyError: an unknown drafter name. ValueError: a prefixed option for a drafter not in ``parts``.
+        KeyError: an unknown drafter name. ValueError: a prefixed option for a drafter not in ``parts``; a fallback
+        as the first part.
     """
-    names = [n for n, _ in parts]
+    parts = [Part(*part) for part in parts]
+    if parts and parts[0].fallback:
+        raise ValueError(f"drafter {parts[0].name!r} falls back from nothing: write FIRST|{parts[0].name}")
+    names = [p.name for p in parts]
     routed: dict[str, dict[str, Any]] = {n: {} for n in names}
     for key, value in options.items():
         target, dot, option = key.partition(".")
@@ -143,4 +163,12 @@ def make_combined(parts: list[tuple[str, str | None]], model: Any, options: dict
         if target not in routed:
             raise ValueError(f"option {key!r} is for drafter {target!r}, which is not among {names}")
         routed[target][option] = value
-    return combine(*[make_drafter(n, model, h, **routed[n]) for n, h in parts])
+    groups: list[list[Drafter]] = []
+    for part in parts:
+        drafter = make_drafter(part.name, model, part.directory, **routed[part.name])
+        if part.fallback:
+            groups[-1].append(drafter)
+        else:
+            groups.append([drafter])
+    built = [group[0] if len(group) == 1 else fallback(*group) for group in groups]
+    return built[0] if len(built) == 1 else combine(*built)

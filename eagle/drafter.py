@@ -3,7 +3,10 @@
 After every verification the decode loop hands over the base hidden states of the accepted tokens (the layers the
 drafter lists in ``hidden_layers``); the drafter appends their entries to its own KV cache (each verified position
 with the token that follows it, which is known by then) and keeps the last position's output ``o_{c-1}``, whose
-logits rank the candidates for the first draft token.
+logits rank the candidates for the first draft token. It does so lazily: ``observe`` only queues the accepted
+positions, and the next ``propose`` runs them through the draft layer in one pass. Decoding alone, that is the same
+work moved by a few microseconds; as the fallback of prompt lookup (``lookup|eagle``), the steps lookup drafts cost
+the drafter nothing, and the positions they accepted are caught up together the next time it drafts.
 
 A dynamic tree (Li et al., EAGLE-2) grows depth by depth: the ``width`` nodes with the highest path score (the sum
 of the draft log-probabilities along the path) are expanded by one batched draft step, each into its ``top_k``
@@ -71,6 +74,7 @@ class EagleDrafter(DrafterBase):
         self.hidden_layers = tuple(draft.config.aux_layers)
         self.cache = DraftCache()
         self.last: torch.Tensor | None = None  # [1, 1, hidden]: the draft output at the last verified position
+        self.pending: list[list[torch.Tensor]] = []  # per observed step, its hidden_layers states not yet drafted on
         self.template = TreeTemplate(policy.tree) if policy.tree is not None else None
         self._backend = "stock"
 
@@ -83,25 +87,34 @@ class EagleDrafter(DrafterBase):
         follow_attention(self.model, self.draft.layer.self_attn.config)
         self.cache.reset()
         self.last = None
-        self._extend(state)
+        self.pending = []
+        self._queue(state)
 
     def observe(self, state: DecodeState) -> None:
-        self._extend(state)
+        self._queue(state)
 
-    @torch.no_grad()
-    def _extend(self, state: DecodeState) -> None:
+    def _queue(self, state: DecodeState) -> None:
         """Raises: RuntimeError: hidden states missing, or the draft cache out of step with the base cache."""
         missing = [layer for layer in self.hidden_layers if layer not in state.hidden]
         if missing:
             raise RuntimeError(f"eagle drafter needs the base hidden states of layers {missing} (DecodeState.hidden); "
                                "run it through decoding.generate")
         aux = [state.hidden[layer] for layer in self.hidden_layers]
-        start, new = self.cache.length, aux[0].shape[1]
-        if start + new != state.cache_length:
-            raise RuntimeError(f"eagle drafter cache out of step: {start} + {new} new positions, but the base cache "
-                               f"holds {state.cache_length}; call begin(state) after the prefill")
-        if new == 0:
+        known = self.cache.length + sum(queued[0].shape[1] for queued in self.pending)
+        if known + aux[0].shape[1] != state.cache_length:
+            raise RuntimeError(f"eagle drafter cache out of step: {known} + {aux[0].shape[1]} new positions, but the "
+                               f"base cache holds {state.cache_length}; call begin(state) after the prefill")
+        if aux[0].shape[1]:
+            self.pending.append(aux)
+
+    @torch.no_grad()
+    def _extend(self, state: DecodeState) -> None:
+        """Run the queued positions through the draft layer (one pass), appending their entries to the draft cache."""
+        if not self.pending:
             return
+        queued, self.pending = self.pending, []
+        aux = queued[0] if len(queued) == 1 else [torch.cat(parts, dim=1) for parts in zip(*queued)]
+        start, new = self.cache.length, aux[0].shape[1]
         device = aux[0].device
         next_ids = state.sequence[:, start + 1:start + new + 1].to(device)  # each position's next token
         positions = torch.arange(start, start + new, device=device)[None]
@@ -117,6 +130,7 @@ class EagleDrafter(DrafterBase):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree | None:
         prefix = state.cache_length
+        self._extend(state)
         if self.last is None or self.cache.length != prefix:
             raise RuntimeError(f"eagle drafter cache holds {self.cache.length} positions, the base cache {prefix}: "
                                "call begin(state) after the prefill (decoding.generate does)")

@@ -6,10 +6,10 @@ machine's measured cost curve predicts, in seconds per setting and without one v
         "lookup max_ngram=3 num_tokens=4 num_candidates=1 nodes=none tokens_per_match=none; lookup; \\
          lookup+datastore:runs/datastore; medusa:heads/smollm2-135m-instruct-medusa-seq+lookup"
 
-Drafters are separated by ``;``: a registry spec (parts joined by ``+``, each ``NAME[:DIR]``), then ``key=value``
-options (``datastore.nodes=8`` for a part other than the first). Predicted speedup = tokens / sum over steps of
-(forward cost of the step's tree / forward cost of one token + drafting time / one-token forward time). Tune on
-prompts you will not report on.
+Drafters are separated by ``;``: a registry spec (parts joined by ``+`` or ``|``, each ``NAME[:DIR]``), then
+``key=value`` options (``datastore.nodes=8`` for a part other than the first). Predicted speedup = tokens / sum over
+steps of (forward cost of the step's tree / forward cost of one token + drafting time / one-token forward time). Tune
+on prompts you will not report on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from decoding import make_drafter
 from selfspec.bench.cost import cost_curves, cpu_model
-from selfspec.bench.replay import make_references, replay
+from selfspec.bench.replay import add_hidden, make_references, replay
 from selfspec.bench.runner import eos_of, load_prompts
 from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import load_model
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for spec, options in drafters:
         drafter = make_drafter(spec, model, None, **options)
+        add_hidden(model, references, tuple(getattr(drafter, "hidden_layers", ())))  # e.g. the feature drafter's
         replay(drafter, references[:1], model)  # warm-up
         start = time.perf_counter()
         result = replay(drafter, references, model)

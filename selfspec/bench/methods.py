@@ -121,12 +121,13 @@ def parse_method(spec: str, **options: Any) -> Method:
             raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
                              f"(choose one of {', '.join(BACKENDS)})")
         return BackendMethod(spec.strip(), parse_method(body, **options), backend)
-    if "+" in body:  # drafters combined into one tree, each NAME[:ARG][[options]]: medusa:DIR+lookup[nodes=8]
+    if "+" in body or "|" in body:  # drafters combined, each NAME[:ARG][[options]]: medusa:DIR+lookup[nodes=8]
         parts, routed = resolve_spec(body, None, options)
-        unknown = [n for n, _ in parts if n not in available_drafters()]
+        unknown = [p.name for p in parts if p.name not in available_drafters()]
         if unknown:
             raise KeyError(f"unknown drafter {unknown[0]!r} in {body!r}; available: {', '.join(available_drafters())}")
-        return DrafterMethod(body, "+".join(n for n, _ in parts), None, routed, parts=parts)
+        label = "".join(("|" if p.fallback else "+") * (i > 0) + p.name for i, p in enumerate(parts))
+        return DrafterMethod(body, label, None, routed, parts=parts)
     name, arg, part_options = parse_part(body)
     if name in _METHODS:
         return _METHODS[name](arg, {**options, **part_options})
@@ -225,9 +226,9 @@ class DrafterMethod:
     model and reused for every prompt."""
 
     def __init__(self, name: str, drafter: str, heads_dir: str | None, options: dict,
-                 parts: list[tuple[str, str | None]] | None = None):
+                 parts: list | None = None):
         self.name, self.drafter_name, self.heads_dir, self.options = name, drafter, heads_dir, dict(options)
-        self.parts = parts  # [(drafter, heads_dir)] of a combination, else None
+        self.parts = parts  # [registry.Part] of a combination, else None
         self._built: tuple[Any, Any] | None = None  # (model, drafter)
 
     def drafter(self, model: Any) -> Any:

@@ -38,13 +38,13 @@ def parse_options(pairs: list[str]) -> dict:
 
 def _drafter_name(text: str) -> str:
     try:
-        names = [parse_part(part)[0] for part in text.split("+")]
+        names = [parse_part(alternative)[0] for part in text.split("+") for alternative in part.split("|")]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     unknown = [name for name in names if name not in available_drafters()]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}; choose from "
-                                         f"{', '.join(available_drafters())} (or join several with '+')")
+                                         f"{', '.join(available_drafters())} (or join several with '+' or '|')")
     return text
 
 
@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default="none", type=_drafter_name,
                    help=f"drafter: one of {', '.join(available_drafters())}, or several joined by '+' into one tree "
                         "(medusa+lookup); a part may name its own directory and options "
-                        "(lookup[nodes=8]+datastore:DIR); default none")
+                        "(lookup[nodes=8]+datastore:DIR); 'a|b' asks b only where a proposes nothing "
+                        "(lookup|eagle:HEADS+datastore:DIR); default none")
     p.add_argument("--heads", default=None, help="directory of trained heads / classifier / layer-skip config")
     p.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra drafter option, repeatable (e.g. tree_size=16)")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from decoding.drafter import DecodeState, SamplingParams
 from decoding.generate import generate
 from eagle.drafter import EagleDrafter, EaglePolicy, make_eagle_drafter
 from eagle.model import DraftCache, from_pretrained, save_pretrained
@@ -95,6 +96,7 @@ def test_trees_respect_the_policy_and_leave_the_cache_as_found(llama):
     original = drafter.propose
 
     def propose(state):
+        drafter._extend(state)  # the positions observe queued: what propose runs first
         before = drafter.cache.length
         keys = drafter.cache.keys.clone()
         tree = original(state)
@@ -108,6 +110,48 @@ def test_trees_respect_the_policy_and_leave_the_cache_as_found(llama):
     out = generate(llama, drafter, ids, max_new_tokens=25)
     assert torch.equal(out.sequences, greedy_reference(llama, ids, 25))
     assert sizes and all(s == 9 for s in sizes) and max(depths) <= 4
+
+
+def test_observed_positions_wait_for_the_next_proposal(llama):
+    """``observe`` only queues the accepted positions; ``propose`` runs everything queued in one pass. Steps observed
+    without a proposal between them (where the drafter is a fallback that was not asked) leave the draft cache and
+    the next tree what a drafter catching up after every step would have."""
+    draft = eagle_draft(llama, seed=4)
+    ids = greedy_reference(llama, random_prompt(7, seed=6), 14)
+    with torch.no_grad():
+        hidden = llama(ids, output_hidden_states=True).hidden_states
+    layers = tuple(draft.config.aux_layers)
+    chunks = [(7, 10), (10, 11), (11, 14), (14, 18)]  # the prompt's 6 cached positions, then 4 accepted steps
+
+    def run(eager: bool):
+        drafter = EagleDrafter(llama, draft, EaglePolicy(depth=3, nodes=6, top_k=3))
+        state = DecodeState(model=llama, cache=None, sequence=ids[:, :7], sampling=SamplingParams(),
+                            hidden={layer: hidden[layer][:, :6] for layer in layers})
+        drafter.begin(state)
+        for start, end in chunks:
+            if eager:
+                drafter._extend(state)
+            assert drafter.cache.length == (state.cache_length if eager else 0)
+            state.sequence = ids[:, :end]
+            state.hidden = {layer: hidden[layer][:, start - 1:end - 1] for layer in layers}
+            drafter.observe(state)
+        assert len(drafter.pending) == (1 if eager else 1 + len(chunks))
+        tree = drafter.propose(state)
+        assert drafter.cache.length == state.cache_length == 17 and not drafter.pending
+        return tree, drafter.cache.keys[..., :17, :].clone()
+
+    lazy_tree, lazy_keys = run(eager=False)
+    eager_tree, eager_keys = run(eager=True)
+    assert torch.allclose(lazy_keys, eager_keys, atol=1e-5)
+    assert lazy_tree.tokens.tolist() == eager_tree.tokens.tolist()
+    assert lazy_tree.parents.tolist() == eager_tree.parents.tolist()
+    # out of step: more positions observed than the base cache holds
+    drafter = EagleDrafter(llama, draft, EaglePolicy())
+    state = DecodeState(model=llama, cache=None, sequence=ids[:, :7], sampling=SamplingParams(),
+                        hidden={layer: hidden[layer][:, :6] for layer in layers})
+    drafter.begin(state)
+    with pytest.raises(RuntimeError, match="out of step"):
+        drafter.observe(state)
 
 
 def test_eos_inside_a_tree_stops_there():

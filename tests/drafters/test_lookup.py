@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import decoding
-from decoding import DraftTree, combine, make_drafter, merge_trees
+from decoding import DraftTree, combine, fallback, make_drafter, merge_trees
 from decoding.drafter import DecodeState, SamplingParams
 from lookup import LookupDrafter, lookup_continuation, lookup_continuations
 from lookup.drafter import suffix_matches
@@ -154,6 +154,78 @@ def test_greedy_equality_with_lookup_and_medusa_plus_lookup(arch, tmp_path):
             assert out.sequences.tolist() == expected
             accepted += sum(out.stats.accepted_per_step)
     assert accepted > 0  # the lookup found repeats and the accept path ran
+
+
+class _Scripted(decoding.DrafterBase):
+    """Proposes a one-node tree in the steps ``script`` marks True (in order), nothing in the others; counts calls."""
+
+    def __init__(self, script, token=3):
+        self.script, self.token, self.calls, self.observed = list(script), token, 0, 0
+
+    def propose(self, state):
+        self.calls += 1
+        return DraftTree.chain([self.token]) if self.script.pop(0) else None
+
+    def observe(self, state):
+        self.observed += 1
+
+
+def test_a_fallback_is_asked_only_where_the_drafters_before_it_propose_nothing():
+    state = DecodeState(model=None, cache=None, sequence=torch.tensor([[4, 5, 6]]), sampling=SamplingParams())
+    first, second = _Scripted([True, False, False, True, False], 3), _Scripted([True, False, False], 4)
+    third = _Scripted([True, False], 5)
+    chain = fallback(first, second, third)
+    assert [None if t is None else t.tokens.tolist() for t in (chain.propose(state) for _ in range(5))] == [
+        [3], [4], [5], [3], None]
+    assert (first.calls, second.calls, third.calls) == (5, 3, 2)
+    assert chain.proposed == [2, 1, 1]
+    for _ in range(3):
+        chain.observe(state)
+    assert first.observed == second.observed == third.observed == 3  # every drafter stays in step
+    with pytest.raises(ValueError, match="at least one"):
+        fallback()
+
+
+def test_lookup_falling_back_to_the_feature_drafter_decodes_losslessly(tmp_path):
+    """``lookup|eagle+lookup[...]``: the feature drafter drafts exactly in the steps lookup has no match for, its
+    queued context catches up there, and every output is the base model's greedy one."""
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from eagle.model import save_pretrained
+    from selfspec.testing import eagle_draft
+
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    draft = eagle_draft(model, seed=5)
+    save_pretrained(draft, tmp_path / "e")
+    eagle = EagleDrafter(model, draft, EaglePolicy(depth=3, nodes=5))
+    lookup = LookupDrafter()
+    asked: list[bool] = []  # per step: whether lookup had nothing, so the feature drafter was asked
+    lookup_propose, eagle_propose = lookup.propose, eagle.propose
+    lookup.propose = lambda state: asked.append((tree := lookup_propose(state)) is None) or tree
+    eagle_calls = []
+    eagle.propose = lambda state: eagle_calls.append(1) or eagle_propose(state)
+    drafter = combine(fallback(lookup, eagle), LookupDrafter(nodes=2, min_ngram=2))
+    for seed in range(3):
+        prompt = _repetitive_prompt(vocab, seed)
+        expected = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False).tolist()
+        out = decoding.generate(model, drafter, prompt, max_new_tokens=30, eos_token_id=None)
+        assert out.sequences.tolist() == expected
+    assert len(eagle_calls) == sum(asked) and 0 < sum(asked) < len(asked)  # both kinds of step happened
+    assert drafter.drafters[0].proposed[1] > 0
+    # the same from a spec, on the command line's syntax ('|' binds tighter than '+')
+    built = make_drafter(f"lookup|eagle:{tmp_path / 'e'}[depth=2]+lookup[nodes=2,min_ngram=2]", model)
+    assert isinstance(built, decoding.CombinedDrafter) and isinstance(built.drafters[0], decoding.FallbackDrafter)
+    first, feature = built.drafters[0].drafters
+    assert isinstance(first, LookupDrafter) and isinstance(feature, EagleDrafter) and feature.policy.depth == 2
+    assert built.drafters[1].nodes == 2 and set(built.hidden_layers) == set(feature.hidden_layers)
+    alone = make_drafter(f"lookup|eagle:{tmp_path / 'e'}", model)
+    assert isinstance(alone, decoding.FallbackDrafter)
+    for bad, message in (("lookup|", "empty part"), ("+lookup", "empty part")):
+        with pytest.raises(ValueError, match=message):
+            make_drafter(bad, model)
+    from decoding.registry import Part, make_combined
+    with pytest.raises(ValueError, match="falls back from nothing"):
+        make_combined([Part("lookup", None, True)], model, {})
 
 
 def test_combined_drafters_from_the_registry_and_the_benchmark(tmp_path):
