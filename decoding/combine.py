@@ -6,9 +6,10 @@ line is ``combine(medusa, lookup)``.
 A model-free drafter costs ~0.1 ms a step, a drafter that runs layers of its own 1.5-3 ms (15-30% of a plain step
 of SmolLM2 on 2 cores). Where prompt lookup has matched, it usually drafts the continuation well and the layers add
 little; where the last token never occurred before, it has nothing and the layers are worth their time
-(SuffixDecoding's hybrid with a model drafter, Arctic Inference, does the same). On MT-bench 1-40, replayed against a
-2-core Xeon's measured cost curve, ``lookup|eagle+datastore`` predicted 1.84x where ``lookup+datastore`` predicted
-1.77x and ``lookup+datastore+eagle`` 1.64x (docs/RESULTS.md).
+(SuffixDecoding's hybrid with a model drafter, Arctic Inference, does the same). Measured on MT-bench 1-40 on a 2-core
+Xeon (docs/RESULTS.md): ``lookup|eagle+datastore`` kept most of the merged tree's tau (2.74 of 2.94) at 60% of its
+drafting time, 13% faster than ``eagle+lookup+datastore``, and level with ``lookup+datastore`` (1.60-1.65x against
+1.65-1.66x): there the feature drafter's extra tokens cost what plain decoding's cost.
 """
 
 from __future__ import annotations
