@@ -22,19 +22,22 @@ from decoding.drafter import DecodeState, Drafter
 from decoding.tree import DraftTree
 
 
-class CombinedDrafter:
-    """Several drafters proposing into one tree every step (see ``merge_trees``).
+class _DrafterGroup:
+    """What several drafters acting as one share: one vocabulary, the union of their hidden layers, and every member
+    starting and observing every step. Subclasses say how a step's tree comes from the members' (``propose``).
 
     Raises:
         ValueError: no drafters, or drafters that propose from different vocabularies.
     """
 
+    _builder = _members = ""  # for the error messages: "combine()" / "combined", "fallback()" / "fallback"
+
     def __init__(self, drafters: Sequence[Drafter]):
         if not drafters:
-            raise ValueError("combine() needs at least one drafter")
+            raise ValueError(f"{self._builder} needs at least one drafter")
         vocabularies = {getattr(d, "vocab_size", None) for d in drafters} - {None}
         if len(vocabularies) > 1:
-            raise ValueError(f"combined drafters propose from different vocabularies: {sorted(vocabularies)}")
+            raise ValueError(f"{self._members} drafters propose from different vocabularies: {sorted(vocabularies)}")
         self.drafters = list(drafters)
         self.vocab_size = next(iter(vocabularies), None)
         self.hidden_layers = tuple(dict.fromkeys(layer for d in drafters for layer in getattr(d, "hidden_layers", ())))
@@ -43,15 +46,25 @@ class CombinedDrafter:
         for d in self.drafters:
             d.begin(state)
 
-    def propose(self, state: DecodeState) -> DraftTree | None:
-        return merge_trees([d.propose(state) for d in self.drafters])
-
     def observe(self, state: DecodeState) -> None:
         for d in self.drafters:
             d.observe(state)
 
 
-class FallbackDrafter:
+class CombinedDrafter(_DrafterGroup):
+    """Several drafters proposing into one tree every step (see ``merge_trees``).
+
+    Raises:
+        ValueError: no drafters, or drafters that propose from different vocabularies.
+    """
+
+    _builder, _members = "combine()", "combined"
+
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        return merge_trees([d.propose(state) for d in self.drafters])
+
+
+class FallbackDrafter(_DrafterGroup):
     """Drafters asked in turn each step: the first tree proposed (not ``None``, not empty) is the step's tree.
     Every drafter observes every step (a drafter with a context of its own, such as the feature drafter, may defer
     that work to the steps it drafts in).
@@ -60,21 +73,12 @@ class FallbackDrafter:
         ValueError: no drafters, or drafters that propose from different vocabularies.
     """
 
+    _builder, _members = "fallback()", "fallback"
+
     def __init__(self, drafters: Sequence[Drafter]):
-        if not drafters:
-            raise ValueError("fallback() needs at least one drafter")
-        vocabularies = {getattr(d, "vocab_size", None) for d in drafters} - {None}
-        if len(vocabularies) > 1:
-            raise ValueError(f"fallback drafters propose from different vocabularies: {sorted(vocabularies)}")
-        self.drafters = list(drafters)
-        self.vocab_size = next(iter(vocabularies), None)
-        self.hidden_layers = tuple(dict.fromkeys(layer for d in drafters for layer in getattr(d, "hidden_layers", ())))
+        super().__init__(drafters)
         #: how many steps each drafter's tree was the one proposed (none of them proposing: not counted)
         self.proposed = [0] * len(self.drafters)
-
-    def begin(self, state: DecodeState) -> None:
-        for d in self.drafters:
-            d.begin(state)
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         for i, d in enumerate(self.drafters):
@@ -83,10 +87,6 @@ class FallbackDrafter:
                 self.proposed[i] += 1
                 return tree
         return None
-
-    def observe(self, state: DecodeState) -> None:
-        for d in self.drafters:
-            d.observe(state)
 
 
 def fallback(*drafters: Drafter) -> FallbackDrafter:

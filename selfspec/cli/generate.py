@@ -9,7 +9,7 @@ import sys
 import torch
 
 from decoding import available_drafters, generate, make_drafter
-from decoding.registry import parse_part
+from decoding.registry import resolve_spec
 from selfspec.cli.bench import add_backend_argument
 from selfspec.cli.checks import positive_int, probability, temperature
 from selfspec.runtime.adapters import adapter_spec
@@ -38,7 +38,7 @@ def parse_options(pairs: list[str]) -> dict:
 
 def _drafter_name(text: str) -> str:
     try:
-        names = [parse_part(alternative)[0] for part in text.split("+") for alternative in part.split("|")]
+        names = [part.name for part in resolve_spec(text)[0]]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     unknown = [name for name in names if name not in available_drafters()]
