@@ -4,7 +4,7 @@
 (``decoding.registry``) and are built by name with ``make_drafter``.
 """
 
-from decoding.combine import CombinedDrafter, FallbackDrafter, combine, fallback, merge_trees
+from decoding.combine import CombinedDrafter, FallbackDrafter, combine, fallback, fallback_counts, merge_trees
 from decoding.drafter import ContextDrafter, DecodeState, Drafter, DrafterBase, EmptyDrafter, SamplingParams
 from decoding.generate import GenerateOutput, GenerationStats, generate
 from decoding.registry import available_drafters, make_drafter, register_drafter
@@ -15,5 +15,5 @@ __all__ = [
     "CombinedDrafter", "ContextDrafter", "DecodeState", "Drafter", "DrafterBase", "DraftTree", "EmptyDrafter",
     "FallbackDrafter",
     "GenerateOutput", "GenerationStats", "SamplingParams", "TreeTemplate", "Verdict", "available_drafters",
-    "combine", "fallback", "generate", "make_drafter", "merge_trees", "register_drafter",
+    "combine", "fallback", "fallback_counts", "generate", "make_drafter", "merge_trees", "register_drafter",
 ]

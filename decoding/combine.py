@@ -75,8 +75,12 @@ class FallbackDrafter(_DrafterGroup):
 
     _builder, _members = "fallback()", "fallback"
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    def __init__(self, drafters: Sequence[Drafter], names: Sequence[str] | None = None):
         super().__init__(drafters)
+        if names is not None and len(names) != len(self.drafters):
+            raise ValueError(f"fallback(): {len(names)} names for {len(self.drafters)} drafters")
+        #: what reports call each drafter (the spec's part names where the registry built it, else class names)
+        self.names = list(names) if names is not None else [type(d).__name__ for d in self.drafters]
         #: how many steps each drafter's tree was the one proposed (none of them proposing: not counted)
         self.proposed = [0] * len(self.drafters)
 
@@ -89,9 +93,23 @@ class FallbackDrafter(_DrafterGroup):
         return None
 
 
-def fallback(*drafters: Drafter) -> FallbackDrafter:
-    """One drafter that asks ``drafters`` in turn and proposes the first tree one of them proposes."""
-    return FallbackDrafter(drafters)
+def fallback(*drafters: Drafter, names: Sequence[str] | None = None) -> FallbackDrafter:
+    """One drafter that asks ``drafters`` in turn and proposes the first tree one of them proposes (``names``: what
+    reports call each, default their class names)."""
+    return FallbackDrafter(drafters, names)
+
+
+def fallback_counts(drafter: Drafter) -> dict[str, int]:
+    """Steps whose tree came from each member of every fallback inside ``drafter`` (a fallback, or a combination
+    holding some), by member name, summed where a name recurs; empty where there is no fallback."""
+    counts: dict[str, int] = {}
+    if isinstance(drafter, FallbackDrafter):
+        for name, n in zip(drafter.names, drafter.proposed):
+            counts[name] = counts.get(name, 0) + n
+    for member in getattr(drafter, "drafters", ()) if isinstance(drafter, _DrafterGroup) else ():
+        for name, n in fallback_counts(member).items():
+            counts[name] = counts.get(name, 0) + n
+    return counts
 
 
 def combine(*drafters: Drafter) -> CombinedDrafter:

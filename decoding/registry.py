@@ -163,12 +163,13 @@ def make_combined(parts: list[Part] | list[tuple[str, str | None]], model: Any, 
         if target not in routed:
             raise ValueError(f"option {key!r} is for drafter {target!r}, which is not among {names}")
         routed[target][option] = value
-    groups: list[list[Drafter]] = []
+    groups: list[list[tuple[str, Drafter]]] = []
     for part in parts:
         drafter = make_drafter(part.name, model, part.directory, **routed[part.name])
         if part.fallback:
-            groups[-1].append(drafter)
+            groups[-1].append((part.name, drafter))
         else:
-            groups.append([drafter])
-    built = [group[0] if len(group) == 1 else fallback(*group) for group in groups]
+            groups.append([(part.name, drafter)])
+    built = [group[0][1] if len(group) == 1 else fallback(*(d for _, d in group), names=[n for n, _ in group])
+             for group in groups]
     return built[0] if len(built) == 1 else combine(*built)

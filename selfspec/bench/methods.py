@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from decoding import generate
+from decoding import fallback_counts, generate
 from decoding.drafter import SamplingParams
 from decoding.registry import available_drafters, make_combined, make_drafter, parse_part, resolve_spec
 from selfspec.runtime.cache import generate_kwargs
@@ -56,6 +56,8 @@ class Generation:
     phases: dict[str, float] = field(default_factory=dict)
     drafted: int | None = None  # draft tokens proposed (tree nodes), when the method drafts
     first_accepted: int | None = None  # steps whose draft's first token was accepted
+    # steps whose tree came from each member of a fallback (``a|b``), by name; None without a fallback
+    fallback: dict[str, int] | None = None
 
 
 class Method(Protocol):
@@ -242,6 +244,7 @@ class DrafterMethod:
         drafter = self.drafter(model)
         input_ids = input_ids.to(model.device)
         generator = None if settings.greedy else torch.Generator().manual_seed(settings.seed)
+        before = fallback_counts(drafter)
         start = time.perf_counter()
         with torch.inference_mode():
             out = generate(model, drafter, input_ids, max_new_tokens=settings.max_new_tokens,
@@ -250,6 +253,8 @@ class DrafterMethod:
         stats = out.stats
         phases = {phase: float(getattr(stats, f"time_{phase}", 0.0) or 0.0)
                   for phase in ("prefill", "draft", "verify", "accept", "compact", "observe")}
+        after = fallback_counts(drafter)
         return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), seconds, getattr(stats, "steps", None),
                           getattr(stats, "tau", None), phases, drafted=sum(stats.tree_sizes),
-                          first_accepted=sum(a > 0 for a in stats.accepted_per_step))
+                          first_accepted=sum(a > 0 for a in stats.accepted_per_step),
+                          fallback={name: n - before.get(name, 0) for name, n in after.items()} if after else None)

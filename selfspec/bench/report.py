@@ -35,6 +35,26 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _paragraph(text: str) -> str:
+    return text + "\n" if text else ""
+
+
+def fallback_lines(results: dict) -> str:
+    """For each method with a fallback (``a|b``): the share of its steps whose tree came from each drafter, or an
+    empty string when no method has one."""
+    rows = []
+    for name, e in results["methods"].items():
+        counts, steps = e.get("fallback_steps"), e.get("steps")
+        if not counts or not steps:
+            continue
+        shares = [f"{drafter} {n / steps:.0%}" for drafter, n in counts.items()]
+        rows.append(f"| {name} | {', '.join(shares)} | {1 - sum(counts.values()) / steps:.0%} |")
+    if not rows:
+        return ""
+    return "\n".join(["Fallbacks: the share of steps whose tree came from each drafter", "",
+                      "| method | tree from | no tree |", "|---|---|---:|", *rows]) + "\n"
+
+
 def divergence_lines(results: dict) -> str:
     """A table of every output that differs from vanilla's, or an empty string when none does."""
     rows = [f"| {name} | {d['prompt']} | {d['position']} | {_fmt(d['gap'], '.2e')} | "
@@ -74,7 +94,7 @@ def write_results(results: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")
-    paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + divergence_lines(results)
-                           + config_lines(results["config"]))
+    paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + _paragraph(fallback_lines(results))
+                           + divergence_lines(results) + config_lines(results["config"]))
     plot_results(results, paths["png"])
     return paths

@@ -182,6 +182,8 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
             # proposed token (a plain step costs 1 / tokens_per_s of vanilla).
             "first_token_acceptance": _ratio(gens, "first_accepted", lambda g: g.steps),
             "draft_ms_per_token": _ratio(gens, "drafted", lambda g: g.phases.get("draft"), invert=True, scale=1e3),
+            # a fallback (``a|b``): steps whose tree came from each of its drafters (the rest had no tree)
+            "fallback_steps": _sum_counts([g.fallback for g in gens]),
         }
         if run.settings.greedy:
             entry.update(lossless_check(model, run, name, near_tie=near_tie, gaps=gaps))
@@ -204,6 +206,15 @@ def _ratio(gens: Sequence[Generation], field_name: str, other, *, invert: bool =
     if invert:
         num, den = den, num
     return scale * num / den if den else None
+
+
+def _sum_counts(counts: Sequence[dict[str, int] | None]) -> dict[str, int] | None:
+    """Per-name sums of per-prompt counts, or None when no prompt has any."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for name, n in (c or {}).items():
+            total[name] = total.get(name, 0) + n
+    return total or None
 
 
 def tokens_per_s(gens: Sequence[Generation]) -> float:

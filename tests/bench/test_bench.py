@@ -283,3 +283,51 @@ def test_vanilla_on_the_project_kernels_uses_the_decoders_cache_and_stock_keeps_
     seen.clear()
     sequences, _ = _baseline(model, prompt, 10, None)
     assert sequences[0, 7:].tolist() == expected and all(type(layer) is BufferedLayer for layer in seen[-1].layers)
+
+
+def test_a_fallback_method_reports_which_drafter_each_step_came_from(tmp_path):
+    """``lookup|medusa:DIR`` on prompts that repeat a motif: per prompt the steps whose tree came from lookup and from
+    the heads (the drafter's own counts over that prompt), pooled per method, printed as shares in results.md."""
+    from medusa import MedusaHeads
+    from selfspec.bench.report import fallback_lines
+
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_model(model, num_heads=2)
+    heads.save_pretrained(tmp_path / "h")
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(2, model.config.vocab_size, (6,), generator=g)
+    prompts = [bench.Prompt(f"p{i}", torch.cat([motif, torch.randint(2, model.config.vocab_size, (3,), generator=g),
+                                                motif[: 2 + i]]).unsqueeze(0)) for i in range(2)]
+    spec = f"lookup|medusa:{tmp_path / 'h'}"
+    settings = GenSettings(max_new_tokens=24)
+    run = run_benchmark(model, prompts, [spec], settings, warmup_tokens=4, progress=False)
+    gens = run.generations[spec]
+    for gen in gens:
+        assert set(gen.fallback) == {"lookup", "medusa"}
+        assert sum(gen.fallback.values()) <= gen.steps  # steps with no tree at all are not counted
+    results = summarize(model, run)
+    entry = results[spec]
+    assert entry["identical"] == 2
+    pooled = entry["fallback_steps"]
+    assert pooled == {name: sum(g.fallback[name] for g in gens) for name in ("lookup", "medusa")}
+    assert pooled["lookup"] > 0 and pooled["medusa"] > 0  # both kinds of step happened
+    assert results["vanilla"]["fallback_steps"] is None
+    text = fallback_lines({"methods": results})
+    lookup_share = f"lookup {pooled['lookup'] / entry['steps']:.0%}"
+    assert f"| {spec} | {lookup_share}, medusa " in text and "vanilla" not in text
+    write_results({"methods": results, "config": {"model": "tiny:llama", "max_new_tokens": 24}}, tmp_path / "out")
+    assert lookup_share in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_fallback_counts_name_the_members_of_nested_groups():
+    from decoding import combine, fallback, fallback_counts
+    from lookup import LookupDrafter
+
+    a, b, c = LookupDrafter(), LookupDrafter(nodes=2), LookupDrafter(nodes=3)
+    inner = fallback(a, b, names=["first", "second"])
+    inner.proposed = [4, 2]
+    assert fallback_counts(combine(inner, c)) == {"first": 4, "second": 2}
+    assert fallback_counts(c) == {} and fallback_counts(combine(a, c)) == {}
+    assert fallback(a, b).names == ["LookupDrafter", "LookupDrafter"]
+    with pytest.raises(ValueError, match="2 names for 3 drafters"):
+        fallback(a, b, c, names=["x", "y"])
