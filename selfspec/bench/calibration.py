@@ -362,15 +362,39 @@ def parse_grid(text: str) -> list[dict[str, Any]]:
     return [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
 
 
+def check_fallback_of(drafter_name: str, fallback_of: str | None) -> None:
+    """Refuse a ``fallback_of`` that ``search_policies`` cannot build (see there), before any model is loaded."""
+    if fallback_of is None:
+        return
+    if "+" in fallback_of:
+        raise ValueError(f"--fallback-of {fallback_of!r}: a fallback follows single drafters or a chain of them "
+                         "joined by '|'; merge others into the tree with --merged-with")
+    names = [part.split(":", 1)[0].split("[", 1)[0].strip() for part in fallback_of.split("|")]
+    if drafter_name in names:
+        raise ValueError(f"--fallback-of {fallback_of!r} names {drafter_name!r}, the drafter being calibrated")
+
+
 def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: Sequence[dict[str, Any]],
                     prompts: Sequence[Prompt], settings: GenSettings, *, merged_with: str | None = None,
+                    fallback_of: str | None = None,
                     progress: Callable[[PolicyResult], None] | None = None) -> tuple[PolicyResult, list[PolicyResult]]:
     """Decode ``prompts`` with ``drafter_name`` under every policy of ``grid`` and with plain decoding, per prompt
     in a rotated order (so that a drifting machine slows all alike), after one warm-up each; the best policy has the
     highest summed tokens/s. For drafters whose cost replay cannot predict (they run the base's own layers).
-    ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``)."""
-    spec = f"{drafter_name}:{heads_dir}" + (f"+{merged_with}" if merged_with else "")
-    methods = [parse_method(spec, **options) for options in grid]
+    ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``).
+    ``fallback_of``: the drafter drafts only in the steps where these propose nothing (``lookup``, or
+    ``lookup|datastore:DIR``: the spec ``FALLBACK_OF|DRAFTER:HEADS``), as ``selfspec generate --draft`` would use it.
+
+    Raises:
+        ValueError: ``fallback_of`` holds a ``+`` (a fallback binds tighter: merge with ``merged_with``) or names
+            the drafter being calibrated.
+    """
+    check_fallback_of(drafter_name, fallback_of)
+    spec = (f"{fallback_of}|" if fallback_of else "") + f"{drafter_name}:{heads_dir}" + (
+        f"+{merged_with}" if merged_with else "")
+    # with a fallback the calibrated drafter is not the spec's first part: its options are routed by name
+    prefix = f"{drafter_name}." if fallback_of else ""
+    methods = [parse_method(spec, **{prefix + k: v for k, v in options.items()}) for options in grid]
     for i, method in enumerate(methods):
         method.name = f"policy-{i}"
     run = run_benchmark(model, prompts, methods, settings, progress=False)

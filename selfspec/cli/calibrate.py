@@ -16,7 +16,9 @@ shallow layers, whose cost replay cannot predict: its draft policy (chain length
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
 saved as the classifier's default ``policy``. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way
 (its tree's depth, node budget, children per node and width; saved as its default ``decoding``): its draft cost
-depends on the tree and on this machine's kernels as much as its acceptance does. Calibrate on prompts a benchmark
+depends on the tree and on this machine's kernels as much as its acceptance does. Either can be calibrated as it
+will be used: merged with other drafters into one tree (``--merged-with lookup``) or as a fallback asked only where
+others propose nothing (``--fallback-of lookup``, for ``--draft 'lookup|eagle'``). Calibrate on prompts a benchmark
 will not report on (MT-bench 1-40).
 """
 
@@ -35,6 +37,7 @@ from selfspec.bench.calibration import (
     calibrate,
     calibrate_by_replay,
     check_accuracy,
+    check_fallback_of,
     measure_tau,
     parse_grid,
     report_dict,
@@ -113,6 +116,10 @@ def register(subparsers) -> None:
                         "lookup, or lookup+datastore:DIR")
     p.add_argument("--with-lookup", dest="merged_with", action="store_const", const="lookup",
                    help="the same as --merged-with lookup")
+    p.add_argument("--fallback-of", metavar="DRAFTERS", default=None,
+                   help="feature drafters and early-exit classifiers: calibrate them as a fallback, drafting only in "
+                        "the steps where DRAFTERS propose nothing (lookup, or lookup|datastore:DIR), as "
+                        "--draft 'DRAFTERS|eagle' uses them")
     p.add_argument("--prefix-length", type=int, default=128, help="KV-cache length during the latency runs")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size (median taken)")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed per-step cost added to every setting")
@@ -140,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
     kind = heads_kind(args.heads)
     if kind in DECODE_SEARCH:
         grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
+        check_fallback_of(kind, args.fallback_of)
         return _run_policy_search(args, grid, kind)
+    if args.fallback_of:
+        raise ValueError("--fallback-of calibrates feature drafters and early-exit classifiers, which are searched by "
+                         "decoding; Medusa heads are calibrated by replay, merged with --merged-with only")
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
     if config.base_model:  # before any continuation is generated: heads for another model are refused at once
@@ -225,15 +236,21 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     backend = apply_backend(model, args)
     prompts = _calibration_prompts(args, model, tokenizer)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
-    print(f"calibration: {len(grid)} {search.what} policies beside plain decoding, {len(prompts)} prompts"
+    used = "".join([f", as the fallback of {args.fallback_of}" * bool(args.fallback_of),
+                    f", merged with {args.merged_with}" * bool(args.merged_with)])
+    print(f"calibration: {len(grid)} {search.what} policies{used} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
     print("policy | tau | speedup | draft ms/step")
+
+    def show(r) -> None:
+        print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | {r.draft_ms_per_step:6.2f}", flush=True)
+
     best, rows = search_policies(model, kind, args.heads, grid, prompts, settings, merged_with=args.merged_with,
-                                 progress=lambda r: print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | "
-                                                          f"{r.draft_ms_per_step:6.2f}", flush=True))
+                                 fallback_of=args.fallback_of, progress=show)
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
     if not args.dry_run:
         report = {"mode": "decode", "chosen": best.options, "merged_with": args.merged_with,
+                  "fallback_of": args.fallback_of,
                   "candidates": [{"policy": r.options, "tau": r.tau, "speedup": r.speedup,
                                   "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step}
                                  for r in rows],

@@ -302,3 +302,47 @@ def test_calibrating_a_float16_exit_classifier_keeps_it_float16(tmp_path):
     assert stored_float_dtype(heads) == torch.float16  # not doubled to float32 by the rewrite
     after = ExitClassifier.from_pretrained(heads, model).state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_calibrating_a_feature_drafter_as_a_fallback_decodes_each_policy_where_lookup_has_nothing(
+        tmp_path, capsys, monkeypatch):
+    """``--fallback-of lookup``: every policy decodes as ``lookup|eagle:HEADS`` with the policy routed to the feature
+    drafter (not to lookup, the spec's first part), the report says so, and bad fallbacks are refused up front."""
+    from decoding import FallbackDrafter
+    from eagle.drafter import EagleDrafter
+    from eagle.model import save_pretrained
+    from selfspec.testing import eagle_draft
+
+    model, _ = load_model("tiny:llama")
+    heads = save_pretrained(eagle_draft(model, draft_vocab_size=64), tmp_path / "eagle")
+    built = []
+    parse = cal.parse_method
+
+    def spy(spec, **options):
+        method = parse(spec, **options)
+        built.append((spec, method))
+        return method
+
+    monkeypatch.setattr(cal, "parse_method", spy)
+    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+               "--max-new-tokens", "8", "--grid", "depth=1,3", "--linear-backend", "stock",
+               "--fallback-of", "lookup", "--dry-run"])
+    assert rc == 0
+    assert "as the fallback of lookup" in capsys.readouterr().out
+    policies = [(spec, method.drafter(model)) for spec, method in built if spec != "vanilla"]
+    assert [spec for spec, _ in policies] == [f"lookup|eagle:{heads}"] * 2
+    for (_, drafter), depth in zip(policies, (1, 3)):
+        assert isinstance(drafter, FallbackDrafter) and drafter.names == ["lookup", "eagle"]
+        assert isinstance(drafter.drafters[1], EagleDrafter) and drafter.drafters[1].policy.depth == depth
+    monkeypatch.setattr(cal, "parse_method", parse)
+    assert main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
+                 "--max-new-tokens", "4", "--grid", "depth=1", "--linear-backend", "stock",
+                 "--fallback-of", "lookup"]) == 0
+    assert json.loads((heads / "calibration.json").read_text())["fallback_of"] == "lookup"
+    for bad, message in (("lookup+datastore:x", "merge others"), ("lookup|eagle", "the drafter being calibrated")):
+        assert main(["calibrate", "--heads", str(heads), "--model", "tiny:llama", "--fallback-of", bad]) != 0
+        assert message in capsys.readouterr().err
+    medusa = tmp_path / "medusa"
+    MedusaHeads.for_model(model, num_heads=2).save_pretrained(medusa)
+    assert main(["calibrate", "--heads", str(medusa), "--model", "tiny:llama", "--fallback-of", "lookup"]) != 0
+    assert "Medusa heads are calibrated by replay" in capsys.readouterr().err
