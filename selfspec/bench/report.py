@@ -35,6 +35,26 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def category_lines(results: dict) -> str:
+    """Speedup over vanilla (and tau) per method and prompt category, or an empty string when the prompts carry
+    fewer than two categories."""
+    methods = {name: e.get("per_category") for name, e in results["methods"].items() if e.get("per_category")}
+    categories = list(dict.fromkeys(c for per in methods.values() for c in per))
+    if len(categories) < 2:
+        return ""
+    prompts = {c: next(per[c]["prompts"] for per in methods.values() if c in per) for c in categories}
+    lines = ["Speedup over vanilla (tau) per prompt category", "",
+             "| method | " + " | ".join(f"{c} ({prompts[c]})" for c in categories) + " |",
+             "|---|" + "---:|" * len(categories)]
+    for name, per in methods.items():
+        cells = []
+        for c in categories:
+            e = per.get(c)
+            cells.append("-" if e is None else f"{_fmt(e['speedup'])}x ({_fmt(e['tau'])})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _paragraph(text: str) -> str:
     return text + "\n" if text else ""
 
@@ -94,7 +114,8 @@ def write_results(results: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")
-    paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + _paragraph(fallback_lines(results))
+    paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + _paragraph(category_lines(results))
+                           + _paragraph(fallback_lines(results))
                            + divergence_lines(results) + config_lines(results["config"]))
     plot_results(results, paths["png"])
     return paths

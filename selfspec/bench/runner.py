@@ -31,6 +31,7 @@ NEAR_TIE = 1e-4
 class Prompt:
     id: Any
     input_ids: torch.Tensor  # [1, seq]
+    category: str | None = None  # the file's ``category`` (MT-bench / Spec-Bench), for per-category figures
 
 
 def synthetic_prompts(vocab_size: int, count: int, *, seed: int = 0, min_len: int = 4,
@@ -55,7 +56,8 @@ def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_s
         if synthetic or tokenizer is None:
             return synthetic_prompts(vocab_size, limit or 4, seed=seed)
         raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
-    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"])) for p in read_prompts(path, limit, spread=spread)]
+    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"]), p.get("category"))
+            for p in read_prompts(path, limit, spread=spread)]
 
 
 def eos_of(model: Any, tokenizer: Any) -> int | list[int] | None:
@@ -189,9 +191,29 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
             entry.update(lossless_check(model, run, name, near_tie=near_tie, gaps=gaps))
         else:
             entry.update({"identical": None, "total": len(gens), "divergences": [], "bugs": None})
-        entry["per_prompt"] = [{"prompt": p.id, "new_tokens": len(g.tokens), "seconds": g.seconds, "tau": g.tau}
-                               for p, g in zip(run.prompts, gens)]
+        entry["per_prompt"] = [{"prompt": p.id, "category": p.category, "new_tokens": len(g.tokens),
+                                "seconds": g.seconds, "tau": g.tau} for p, g in zip(run.prompts, gens)]
+        entry["per_category"] = per_category(run, name)
         out[name] = entry
+    return out
+
+
+def per_category(run: BenchRun, method: str) -> dict[str, dict] | None:
+    """Per prompt category (in the order categories first appear): prompts, tokens/s, speedup over vanilla on the
+    same prompts, and tau; None when the prompts carry no categories (Spec-Bench reports speedups this way: a
+    method's gain differs a lot between, say, coding and writing)."""
+    if not any(p.category for p in run.prompts):
+        return None
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(run.prompts):
+        groups.setdefault(p.category or "uncategorized", []).append(i)
+    out = {}
+    for category, indices in groups.items():
+        gens = [run.generations[method][i] for i in indices]
+        ref = tokens_per_s([run.generations[REFERENCE][i] for i in indices]) if REFERENCE in run.generations else 0.0
+        speed = tokens_per_s(gens)
+        out[category] = {"prompts": len(indices), "tokens_per_s": speed, "speedup": speed / ref if ref else None,
+                         "tau": mean_tau(gens)}
     return out
 
 

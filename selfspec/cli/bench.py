@@ -8,7 +8,7 @@ import torch
 
 from decoding.drafter import SamplingParams
 from selfspec.bench.methods import GenSettings, parse_method, split_methods
-from selfspec.bench.report import fallback_lines, markdown_table, write_results
+from selfspec.bench.report import category_lines, fallback_lines, markdown_table, write_results
 from selfspec.bench.runner import environment, eos_of, load_prompts, run_benchmark, summarize
 from selfspec.cli.checks import positive_int, positive_ints, probability, temperature
 from selfspec.runtime.kernels import (
@@ -114,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     results = {"methods": summarize(model, bench_run), "config": config}
     paths = write_results(results, args.out)
     print(markdown_table(results))
-    if fallback_lines(results):
-        print(fallback_lines(results))
+    for extra in (category_lines(results), fallback_lines(results)):
+        if extra:
+            print(extra)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     bugs = sum(e.get("bugs") or 0 for e in results["methods"].values())
     if bugs:

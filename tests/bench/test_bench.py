@@ -331,3 +331,32 @@ def test_fallback_counts_name_the_members_of_nested_groups():
     assert fallback(a, b).names == ["LookupDrafter", "LookupDrafter"]
     with pytest.raises(ValueError, match="2 names for 3 drafters"):
         fallback(a, b, c, names=["x", "y"])
+
+
+def test_speedup_and_tau_per_prompt_category():
+    """Per category, speedup is the method's pooled tokens/s over vanilla's on the same prompts (not the overall
+    vanilla speed), tau the step-weighted mean; the report shows one column per category, and nothing without
+    categories."""
+    from selfspec.bench.report import category_lines
+
+    model = tiny_model("llama")
+    prompts = [bench.Prompt(i, torch.tensor([[5, 6, 7]]), category) for i, category in
+               enumerate(["coding", "coding", "writing"])]
+    run = BenchRun(prompts, SETTINGS)
+    run.generations["vanilla"] = [Generation([1] * 10, 1.0, 10, 1.0), Generation([1] * 10, 1.0, 10, 1.0),
+                                  Generation([1] * 10, 2.0, 10, 1.0)]
+    run.generations["fast"] = [Generation([1] * 10, 0.5, 5, 2.0), Generation([1] * 10, 0.5, 4, 2.5),
+                               Generation([1] * 10, 2.0, 10, 1.0)]
+    results = summarize(model, run)
+    per = results["fast"]["per_category"]
+    assert list(per) == ["coding", "writing"]
+    assert per["coding"]["prompts"] == 2 and per["coding"]["speedup"] == pytest.approx(2.0)
+    assert per["coding"]["tau"] == pytest.approx((2.0 * 5 + 2.5 * 4) / 9)
+    assert per["writing"]["speedup"] == pytest.approx(1.0) and per["writing"]["tokens_per_s"] == pytest.approx(5.0)
+    assert results["fast"]["per_prompt"][2]["category"] == "writing"
+    text = category_lines({"methods": results})
+    assert "| method | coding (2) | writing (1) |" in text and "| fast | 2.00x (2.22) | 1.00x (1.00) |" in text
+    for p in prompts:
+        p.category = None
+    assert summarize(model, run)["fast"]["per_category"] is None
+    assert category_lines({"methods": summarize(model, run)}) == ""
