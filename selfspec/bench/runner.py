@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import warnings
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -56,8 +58,24 @@ def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_s
         if synthetic or tokenizer is None:
             return synthetic_prompts(vocab_size, limit or 4, seed=seed)
         raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
-    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"]), p.get("category"))
-            for p in read_prompts(path, limit, spread=spread)]
+    chosen = read_prompts(path, limit, spread=spread)
+    if limit is not None and not spread:
+        missing = category_gap(path, chosen)
+        if missing:
+            warnings.warn(f"the first {len(chosen)} prompts of {path} cover {len(missing[0])} of its "
+                          f"{len(missing[0]) + len(missing[1])} categories ({', '.join(missing[0])}; not "
+                          f"{', '.join(missing[1])}): figures on them are not the file's; add --spread to take "
+                          "prompts from every part of the file", stacklevel=2)
+    return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"]), p.get("category")) for p in chosen]
+
+
+def category_gap(path: str | Path, chosen: Sequence[dict]) -> tuple[list[str], list[str]] | None:
+    """``(covered, left out)`` categories where ``chosen`` (from ``read_prompts``) misses some of the file's, else
+    None (also for files without categories)."""
+    every = list(dict.fromkeys(p["category"] for p in read_prompts(path) if p.get("category")))
+    covered = list(dict.fromkeys(p["category"] for p in chosen if p.get("category")))
+    left = [c for c in every if c not in covered]
+    return (covered, left) if covered and left else None
 
 
 def eos_of(model: Any, tokenizer: Any) -> int | list[int] | None:

@@ -360,3 +360,30 @@ def test_speedup_and_tau_per_prompt_category():
         p.category = None
     assert summarize(model, run)["fast"]["per_category"] is None
     assert category_lines({"methods": summarize(model, run)}) == ""
+
+
+def test_the_first_prompts_of_a_file_blocked_by_category_are_flagged(tmp_path):
+    """MT-bench lists its categories in blocks of ten: ``--limit 12`` alone takes two categories of eight, which a
+    warning names (with the fix, --spread); spread prompts, or a limit that covers every category, pass silently."""
+    import warnings
+
+    path = tmp_path / "mt.jsonl"
+    rows = [{"question_id": i, "category": ["writing", "coding", "math"][i // 4], "turns": [f"q{i}"]} for i in range(12)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    class _Tok:
+        chat_template = None
+
+        def __call__(self, text, return_tensors=None):
+            return type("Enc", (), {"input_ids": torch.tensor([[2, 3, 4]])})()
+
+    with pytest.warns(UserWarning, match=r"first 5 prompts .* cover 2 of its 3 categories \(writing, coding; not math\)"
+                                         r".*--spread"):
+        prompts = bench.load_prompts(_Tok(), str(path), 5, vocab_size=10)
+    assert [p.category for p in prompts] == ["writing"] * 4 + ["coding"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spread = bench.load_prompts(_Tok(), str(path), 3, vocab_size=10, spread=True)
+        assert [p.category for p in spread] == ["writing", "coding", "math"]
+        assert len(bench.load_prompts(_Tok(), str(path), 12, vocab_size=10)) == 12
+        assert len(bench.load_prompts(_Tok(), str(path), None, vocab_size=10)) == 12
