@@ -19,7 +19,7 @@ from decoding import fallback_counts, generate
 from decoding.drafter import SamplingParams
 from decoding.registry import available_drafters, make_combined, make_drafter, parse_part, resolve_spec
 from selfspec.runtime.cache import generate_kwargs
-from selfspec.runtime.kernels import BACKENDS, linear_backend
+from selfspec.runtime.kernels import BACKENDS, DRAFT_WEIGHTS, linear_backend, using_draft_weights
 from selfspec.runtime.layers import decoder_layers
 from selfspec.runtime.lean import COUNTS_ONLY, stack_calls
 
@@ -119,9 +119,11 @@ def parse_method(spec: str, **options: Any) -> Method:
 
     body, at, backend = spec.strip().rpartition("@") if "@" in spec else (spec.strip(), "", "")
     if at:
+        if backend in DRAFT_WEIGHTS:
+            return DraftWeightsMethod(spec.strip(), parse_method(body, **options), backend)
         if backend not in BACKENDS:
-            raise ValueError(f"method {spec!r}: unknown linear backend {backend!r} after '@' "
-                             f"(choose one of {', '.join(BACKENDS)})")
+            raise ValueError(f"method {spec!r}: unknown linear backend or draft weights {backend!r} after '@' "
+                             f"(a backend: {', '.join(BACKENDS)}; draft weights: {', '.join(DRAFT_WEIGHTS)})")
         return BackendMethod(spec.strip(), parse_method(body, **options), backend)
     if "+" in body or "|" in body:  # drafters combined, each NAME[:ARG][[options]]: medusa:DIR+lookup[nodes=8]
         parts, routed = resolve_spec(body, None, options)
@@ -147,6 +149,19 @@ class BackendMethod:
 
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
         with linear_backend(model, self.backend):
+            return self.inner.generate(model, input_ids, settings)
+
+
+class DraftWeightsMethod:
+    """``METHOD@WEIGHTS``: ``METHOD`` with its drafters' own layers on these draft weights (``float16``, ``float32``,
+    ``q8_0``, ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``) for the duration of each generation, so that
+    two draft formats compare in one run: ``eagle:DIR@float16,eagle:DIR@q4_1``."""
+
+    def __init__(self, name: str, inner: Method, weights: str):
+        self.name, self.inner, self.weights = name, inner, weights
+
+    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
+        with using_draft_weights(self.weights):
             return self.inner.generate(model, input_ids, settings)
 
 

@@ -78,7 +78,10 @@ def register(subparsers) -> None:
                               "(vanilla@stock shows the stock baseline).",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
-    p.add_argument("--methods", default="vanilla,hf-pld,none", help="comma-separated method specs")
+    p.add_argument("--methods", default="vanilla,hf-pld,none",
+                   help="comma-separated method specs: NAME[:ARG][[key=value,...]], drafters joined by '+' (one "
+                        "tree) or '|' (a fallback), then optionally @BACKEND (vanilla@stock) or @DRAFT_WEIGHTS "
+                        "(eagle:DIR@q4_1: that method's drafters on those weights)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (the lossless check needs greedy)")
     p.add_argument("--top-k", type=positive_int)

@@ -301,6 +301,19 @@ def draft_weights() -> str:
     return _draft_weights
 
 
+@contextlib.contextmanager
+def using_draft_weights(dtype: str) -> Iterator[str]:
+    """``set_draft_weights(dtype)`` inside the block, the previous choice restored after it. Each drafter layer keeps
+    the copy it last packed, so two drafters that switch like this each repack once (a layer two of them share,
+    such as a base model's LM head, would repack at every switch)."""
+    previous = _draft_weights
+    set_draft_weights(dtype)
+    try:
+        yield dtype
+    finally:
+        set_draft_weights(previous)
+
+
 def draft_backend(backend: str) -> str:
     """The backend a drafter's layers run on when the base runs on ``backend``: ``skinny`` on the draft weights
     (``SKINNY_HALF``) unless ``set_draft_weights("float32")``; other backends as they are."""

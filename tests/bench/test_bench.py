@@ -387,3 +387,35 @@ def test_the_first_prompts_of_a_file_blocked_by_category_are_flagged(tmp_path):
         assert [p.category for p in spread] == ["writing", "coding", "math"]
         assert len(bench.load_prompts(_Tok(), str(path), 12, vocab_size=10)) == 12
         assert len(bench.load_prompts(_Tok(), str(path), None, vocab_size=10)) == 12
+
+
+def test_two_draft_weight_formats_compare_in_one_run(tmp_path, monkeypatch):
+    """``eagle:DIR@float16`` and ``eagle:DIR@q4_1`` in one benchmark: each method's drafter packs its own layers in
+    its format (once: the next generation finds them packed), outputs stay vanilla's, and the process-wide choice is
+    restored after every generation; an unknown name after '@' lists backends and draft weights."""
+    from eagle.model import save_pretrained
+    from selfspec.runtime import kernels, skinny
+    from selfspec.runtime.kernels import set_linear_backend
+    from selfspec.testing import eagle_draft
+
+    monkeypatch.setattr(kernels, "_draft_weights", "float16")
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    heads = save_pretrained(eagle_draft(model, seed=7, draft_vocab_size=60), tmp_path / "e")
+    specs = [f"eagle:{heads}@float16", f"eagle:{heads}@q4_1"]
+    methods = [parse_method(spec) for spec in specs]
+    run = run_benchmark(model, synthetic_prompts(model.config.vocab_size, 2), methods, SETTINGS, warmup_tokens=2,
+                        progress=False)
+    assert kernels.draft_weights() == "float16"
+    for spec, method, expected in zip(specs, methods, ("float16", "q4_1")):
+        layers = method.inner.drafter(model).draft.linear_layers()
+        formats = {skinny.packed_format(m.forward._weight) for m in layers if m.in_features % 32 == 0}
+        assert formats == {expected}, spec
+        packed = [m.forward._weight for m in layers]
+        with kernels.using_draft_weights(expected):
+            method.generate(model, run.prompts[0].input_ids, SETTINGS)
+        assert all(a is m.forward._weight for a, m in zip(packed, layers))  # not repacked
+    results = summarize(model, run)
+    assert all(results[spec]["identical"] == 2 for spec in specs)
+    with pytest.raises(ValueError, match="draft weights: float16, float32, q8_0, q4_1"):
+        parse_method(f"eagle:{heads}@q5")
