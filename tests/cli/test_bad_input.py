@@ -36,7 +36,7 @@ PROBES = [
     (BENCH + ["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
     (["cost", *NO_MODEL, "--tokens", "0"], "--tokens"),
     (["cost", *NO_MODEL, "--tokens", "1,x"], "--tokens takes comma-separated integers, got '1,x'"),
-    (BENCH[:-1] + ["vanilla@nope"], "unknown linear backend 'nope' after '@'"),
+    (BENCH[:-1] + ["vanilla@nope"], "unknown linear backend or draft weights 'nope' after '@'"),
     (BENCH[:-1] + ["bogus"], "unknown method 'bogus'; available:"),
     (["export", "--format", "bogus", "--heads", "h", "--out", "o"], "invalid choice: 'bogus'"),
     (["ablate", "--config", "missing.yaml"], "the following arguments are required: --grid"),
