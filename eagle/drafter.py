@@ -19,6 +19,7 @@ exactly the verified positions between steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
 from eagle.model import DraftCache, EagleDraftModel
 from selfspec.runtime.attention import follow_attention
-from selfspec.runtime.kernels import follow_backend
+from selfspec.runtime.kernels import DRAFT_WEIGHTS, follow_backend, using_draft_weights
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
 _MIN_LOG_PROB = -1e4
@@ -48,6 +49,10 @@ class EaglePolicy:
         tree: a static tree in Medusa's choices format instead of a dynamic one (``depth``, ``nodes``, ``top_k``
             and ``width`` are then ignored).
         threshold: stop growing once no frontier path is more likely than this (0: never).
+        draft_weights: what this drafter's own layers read on the skinny backend (``float16``, ``float32``,
+            ``q8_0``, ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``), over the process-wide choice; None
+            (default): the process-wide choice. Like the tree, a per-machine choice (``selfspec calibrate --grid
+            "... draft_weights=float16,q4_1"``): it may change what is accepted, never what is output.
     """
 
     depth: int = 6
@@ -56,8 +61,12 @@ class EaglePolicy:
     width: int = 4
     tree: tuple[tuple[int, ...], ...] | None = None
     threshold: float = 0.0
+    draft_weights: str | None = None
 
     def __post_init__(self):
+        if self.draft_weights is not None and self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"eagle drafter: draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got "
+                             f"{self.draft_weights!r}")
         for name in ("depth", "nodes", "top_k", "width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -78,8 +87,17 @@ class EagleDrafter(DrafterBase):
         self.template = TreeTemplate(policy.tree) if policy.tree is not None else None
         self._backend = "stock"
 
+    def _weights(self):
+        """The policy's draft weights for the layers' calls inside the block (a no-op without one)."""
+        weights = self.policy.draft_weights
+        return using_draft_weights(weights) if weights is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------ context
     def begin(self, state: DecodeState) -> None:
+        with self._weights():
+            self._begin(state)
+
+    def _begin(self, state: DecodeState) -> None:
         # Draft on the kernels the base model was given (selfspec.runtime.kernels), with the attention it was given:
         # the draft layer's config is a copy of the base's from when the drafter was built, which may predate
         # set_linear_backend (the skinny attention kernel is also what lets a draft step run as one call).
@@ -129,6 +147,10 @@ class EagleDrafter(DrafterBase):
     # ------------------------------------------------------------ drafting
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree | None:
+        with self._weights():
+            return self._propose(state)
+
+    def _propose(self, state: DecodeState) -> DraftTree | None:
         prefix = state.cache_length
         self._extend(state)
         if self.last is None or self.cache.length != prefix:
@@ -270,7 +292,7 @@ def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **o
 
 def make_eagle_drafter(model, heads_dir: str | Path | None = None, **options) -> EagleDrafter:
     """Registry factory: ``selfspec generate --draft eagle --heads DIR`` (options: ``depth``, ``nodes``,
-    ``top_k``, ``width``, ``tree``, ``threshold``).
+    ``top_k``, ``width``, ``tree``, ``threshold``, ``draft_weights``).
 
     Raises:
         ValueError: no heads directory, or an unknown option.

@@ -736,3 +736,30 @@ def test_top_log_probs_ranks_as_log_softmax_topk(built):
     values, indices = skinny.head_top(h, norm, 1e-6, skinny.pack(w), 50, None, 5)
     logits = skinny.linear(skinny.rms_norm(h, norm, 1e-6), skinny.pack(w), 50, None)
     assert torch.equal((values, indices)[1], torch.log_softmax(logits, -1).topk(5, -1).indices)
+
+
+def test_a_feature_drafters_policy_chooses_its_own_draft_weights(built, monkeypatch, tmp_path):
+    """``EaglePolicy(draft_weights="q4_1")`` (or ``eagle:DIR[draft_weights=q4_1]``): its layers pack on Q4_1 while
+    the process-wide choice stays float16 for every other drafter; lossless; a bad name is refused."""
+    from decoding.generate import generate
+    from decoding.registry import make_drafter
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from eagle.model import save_pretrained
+    from selfspec.testing import eagle_draft, greedy_reference, random_prompt
+
+    monkeypatch.setattr(kernels, "_draft_weights", "float16")
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    module = eagle_draft(model, seed=7, draft_vocab_size=60)
+    drafter = EagleDrafter(model, module, EaglePolicy(depth=3, nodes=6, top_k=2, width=2, draft_weights="q4_1"))
+    ids = random_prompt(5, seed=5)
+    out = generate(model, drafter, ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, greedy_reference(model, ids, 20))
+    assert kernels.draft_weights() == "float16"  # restored after every call
+    formats = {skinny.packed_format(m.forward._weight) for m in module.linear_layers() if m.in_features % 32 == 0}
+    assert formats == {"q4_1"}
+    save_pretrained(eagle_draft(model, seed=7, draft_vocab_size=60), tmp_path / "e")
+    from_spec = make_drafter(f"eagle:{tmp_path / 'e'}[draft_weights=q8_0]", model)
+    assert from_spec.policy.draft_weights == "q8_0"
+    with pytest.raises(ValueError, match="draft_weights must be one of float16, float32, q8_0, q4_1"):
+        EaglePolicy(draft_weights="q5")
