@@ -38,6 +38,7 @@ from selfspec.runtime.io import (
     refresh_card_sections,
     stored_float_dtype,
 )
+from selfspec.runtime.kernels import DRAFT_WEIGHTS
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -337,11 +338,17 @@ class PolicyResult:
         return " ".join(f"{k}={v}" for k, v in self.options.items())
 
 
+#: grid axes whose values are names, not numbers, and the names each takes
+NAMED_AXES = {"draft_weights": DRAFT_WEIGHTS}
+
+
 def parse_grid(text: str) -> list[dict[str, Any]]:
-    """``"max_depth=2,4 threshold=0,0.5"`` -> every combination, as option dicts (numbers parsed).
+    """``"max_depth=2,4 threshold=0,0.5"`` -> every combination, as option dicts (numbers parsed; the axes of
+    ``NAMED_AXES`` take names: ``draft_weights=float16,q4_1``).
 
     Raises:
-        ValueError: an item that is not ``NAME=V1,V2,...`` or a value that is not a number.
+        ValueError: an item that is not ``NAME=V1,V2,...``, a value that is not a number, or a name its axis does not
+            take.
     """
     import itertools
 
@@ -352,6 +359,11 @@ def parse_grid(text: str) -> list[dict[str, Any]]:
             raise ValueError(f"--grid item {item!r}: expected NAME=V1,V2 (for example max_depth=2,4 threshold=0,0.5)")
         parsed = []
         for v in values.split(","):
+            if name in NAMED_AXES:
+                if v not in NAMED_AXES[name]:
+                    raise ValueError(f"--grid item {item!r}: {v!r} is not one of {', '.join(NAMED_AXES[name])}")
+                parsed.append(v)
+                continue
             try:
                 parsed.append(int(v) if v.lstrip("-").isdigit() else float(v))
             except ValueError:

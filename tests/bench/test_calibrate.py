@@ -208,6 +208,10 @@ def test_grid_parsing():
     assert cal.parse_grid("max_depth=2,4 threshold=0,0.5") == [
         {"max_depth": 2, "threshold": 0}, {"max_depth": 2, "threshold": 0.5},
         {"max_depth": 4, "threshold": 0}, {"max_depth": 4, "threshold": 0.5}]
+    assert cal.parse_grid("depth=2 draft_weights=float16,q4_1") == [{"depth": 2, "draft_weights": "float16"},
+                                                                     {"depth": 2, "draft_weights": "q4_1"}]
+    with pytest.raises(ValueError, match="'q5' is not one of float16, float32, q8_0, q4_1"):
+        cal.parse_grid("draft_weights=q5")
     for bad, message in (("max_depth", "expected NAME=V1,V2"), ("max_depth=2,x", "'x' is not a number"),
                          ("", "--grid is empty")):
         with pytest.raises(ValueError, match=message):
