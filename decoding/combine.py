@@ -106,7 +106,7 @@ def fallback_counts(drafter: Drafter) -> dict[str, int]:
     if isinstance(drafter, FallbackDrafter):
         for name, n in zip(drafter.names, drafter.proposed):
             counts[name] = counts.get(name, 0) + n
-    for member in getattr(drafter, "drafters", ()) if isinstance(drafter, _DrafterGroup) else ():
+    for member in drafter.drafters if isinstance(drafter, _DrafterGroup) else ():
         for name, n in fallback_counts(member).items():
             counts[name] = counts.get(name, 0) + n
     return counts
