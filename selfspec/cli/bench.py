@@ -60,7 +60,8 @@ def apply_backend(model, args: argparse.Namespace) -> str:
         weights = "; weights: " + ", ".join(f"{n} {f}" for f, n in packed_formats(model).items())
     print(f"linear backend: {backend}" + (" (auto)" if args.linear_backend == "auto" else "")
           + f"; attention: {attention_of(model)}; draft weights: "
-          + (draft_weights() if draft_backend(backend) != backend else f"as the model's ({backend})") + weights,
+          + (f"{draft_weights()} (unless a drafter's saved policy names its own)" if draft_backend(backend) != backend
+             else f"as the model's ({backend})") + weights,
           flush=True)
     return backend
 
