@@ -21,7 +21,7 @@ import torch
 
 from decoding.drafter import DecodeState, Drafter, SamplingParams
 from decoding.generate import verify_forward
-from decoding.registry import make_drafter
+from decoding.registry import make_drafter, resolve_spec
 from decoding.tree import DraftTree, TreeTemplate
 from medusa.config import MedusaConfig
 from medusa.heads import MedusaHeads
@@ -381,8 +381,7 @@ def check_fallback_of(drafter_name: str, fallback_of: str | None) -> None:
     if "+" in fallback_of:
         raise ValueError(f"--fallback-of {fallback_of!r}: a fallback follows single drafters or a chain of them "
                          "joined by '|'; merge others into the tree with --merged-with")
-    names = [part.split(":", 1)[0].split("[", 1)[0].strip() for part in fallback_of.split("|")]
-    if drafter_name in names:
+    if drafter_name in [part.name for part in resolve_spec(fallback_of)[0]]:
         raise ValueError(f"--fallback-of {fallback_of!r} names {drafter_name!r}, the drafter being calibrated")
 
 

@@ -147,12 +147,15 @@ class BackendMethod:
     def __init__(self, name: str, inner: Method, backend: str):
         self.name, self.inner, self.backend = name, inner, backend
 
+    def _scope(self, model: Any):
+        return linear_backend(model, self.backend)
+
     def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-        with linear_backend(model, self.backend):
+        with self._scope(model):
             return self.inner.generate(model, input_ids, settings)
 
 
-class DraftWeightsMethod:
+class DraftWeightsMethod(BackendMethod):
     """``METHOD@WEIGHTS``: ``METHOD`` with its drafters' own layers on these draft weights (``float16``, ``float32``,
     ``q8_0``, ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``) for the duration of each generation, so that
     two draft formats compare in one run: ``eagle:DIR@float16,eagle:DIR@q4_1``."""
@@ -160,9 +163,8 @@ class DraftWeightsMethod:
     def __init__(self, name: str, inner: Method, weights: str):
         self.name, self.inner, self.weights = name, inner, weights
 
-    def generate(self, model: Any, input_ids: torch.Tensor, settings: GenSettings) -> Generation:
-        with using_draft_weights(self.weights):
-            return self.inner.generate(model, input_ids, settings)
+    def _scope(self, model: Any):
+        return using_draft_weights(self.weights)
 
 
 class _HFMethod:

@@ -18,9 +18,9 @@ saved as the classifier's default ``policy``. A feature drafter (EAGLE, ``eagle/
 (its tree's depth, node budget, children per node and width; saved as its default ``decoding``): its draft cost
 depends on the tree and on this machine's kernels as much as its acceptance does. Either can be calibrated as it
 will be used: merged with other drafters into one tree (``--merged-with lookup``) or as a fallback asked only where
-others propose nothing (``--fallback-of lookup``, for ``--draft 'lookup|eagle'``). A feature drafter's grid may include
-``draft_weights=float16,q4_1``: the format its own layers read is then chosen per machine too. Calibrate on prompts a benchmark
-will not report on (MT-bench 1-40).
+others propose nothing (``--fallback-of lookup``, for ``--draft 'lookup|eagle'``). A feature drafter's grid may
+include ``draft_weights=float16,q4_1``: the format its own layers read is then chosen per machine too. Calibrate on
+prompts a benchmark will not report on (MT-bench 1-40).
 """
 
 from __future__ import annotations
