@@ -49,6 +49,12 @@ class EaglePolicy:
         tree: a static tree in Medusa's choices format instead of a dynamic one (``depth``, ``nodes``, ``top_k``
             and ``width`` are then ignored).
         threshold: stop growing once no frontier path is more likely than this (0: never).
+        min_prob: keep only nodes whose path is at least this likely under the draft (the product of the draft
+            probabilities from the root), at most ``nodes`` of them; a step where no node qualifies verifies the root
+            alone (0: always ``nodes``). On a machine where every verified node costs time (a CPU: ``selfspec
+            cost``), a node the draft itself doubts costs more than it is expected to return, and a confident draft
+            may still run ``depth`` deep: the tree's size follows the draft's confidence step by step (OPT-Tree's
+            point, Wang et al. 2024). Growth also stops once no frontier path reaches it. Dynamic trees only.
         draft_weights: what this drafter's own layers read on the skinny backend (``float16``, ``float32``,
             ``q8_0``, ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``), over the process-wide choice; None
             (default): the process-wide choice. Like the tree, a per-machine choice (``selfspec calibrate --grid
@@ -61,6 +67,7 @@ class EaglePolicy:
     width: int = 4
     tree: tuple[tuple[int, ...], ...] | None = None
     threshold: float = 0.0
+    min_prob: float = 0.0
     draft_weights: str | None = None
 
     def __post_init__(self):
@@ -71,8 +78,13 @@ class EaglePolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"eagle drafter: {name} must be an integer >= 1, got {value!r}")
-        if not 0.0 <= self.threshold < 1.0:
-            raise ValueError(f"eagle drafter: threshold must be in [0, 1), got {self.threshold!r}")
+        for name in ("threshold", "min_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"eagle drafter: {name} must be a number in [0, 1), got {value!r}")
+        if self.tree is not None and self.min_prob > 0:
+            raise ValueError("eagle drafter: min_prob prunes a dynamic tree; a static tree (tree=...) keeps its "
+                             "shape. Drop one of the two.")
 
 
 class EagleDrafter(DrafterBase):
@@ -180,7 +192,9 @@ class EagleDrafter(DrafterBase):
         parents, levels = [-1] * len(scores), [1] * len(scores)
         frontier = list(range(len(scores)))  # the last level's nodes
         grown = _Grown()
-        log_threshold = math.log(policy.threshold) if policy.threshold > 0 else -math.inf
+        log_keep = math.log(policy.min_prob) if policy.min_prob > 0 else -math.inf
+        # below min_prob nothing is kept, so nothing below it is worth growing either
+        log_threshold = max(math.log(policy.threshold) if policy.threshold > 0 else -math.inf, log_keep)
         out = None
         for level in range(1, depth):
             frontier_scores = [scores[i] for i in frontier]
@@ -188,6 +202,7 @@ class EagleDrafter(DrafterBase):
                 break
             # the ``width`` best paths, best first (ties: the earlier node)
             best = sorted(range(len(frontier)), key=frontier_scores.__getitem__, reverse=True)[:width]
+            best = [j for j in best if frontier_scores[j] >= log_keep]
             expand = [frontier[j] for j in best]
             out = self._expand(prefix, level, expand, [parents[i] for i in expand], [columns[i] for i in expand],
                                grown, out)
@@ -202,7 +217,12 @@ class EagleDrafter(DrafterBase):
                     parents.append(node)
                     levels.append(level + 1)
         ranked = [max(score, _MIN_LOG_PROB) - level * _DEPTH_TIE_BREAK for score, level in zip(scores, levels)]
-        keep = sorted(sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes])  # parents first
+        # a child never scores above its parent: the kept nodes (the best ``nodes``, then those likely enough) are
+        # a tree whatever the cut
+        best = sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes]
+        keep = sorted(i for i in best if scores[i] >= log_keep)  # parents first
+        if not keep:
+            return DraftTree.empty()
         new_index = {old: new for new, old in enumerate(keep)}
         vocab = self.draft.draft_vocab
         ids = vocab[torch.tensor([columns[i] for i in keep], device=vocab.device)]
@@ -292,7 +312,7 @@ def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **o
 
 def make_eagle_drafter(model, heads_dir: str | Path | None = None, **options) -> EagleDrafter:
     """Registry factory: ``selfspec generate --draft eagle --heads DIR`` (options: ``depth``, ``nodes``,
-    ``top_k``, ``width``, ``tree``, ``threshold``, ``draft_weights``).
+    ``top_k``, ``width``, ``tree``, ``threshold``, ``min_prob``, ``draft_weights``).
 
     Raises:
         ValueError: no heads directory, or an unknown option.

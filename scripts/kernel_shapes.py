@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                     ext.linear(x, hot, out_features, None, None)
                 rounds.append((time.perf_counter() - start) / 80)
             hot_s = statistics.median(rounds)
+            # one untimed pass first: without it the first row count measured ran 30-40% slow (Xeon model 167,
+            # 1536x576 Q4_1: 3 rows 51.7 us first, 36.6 us after 1 and 2 rows), whatever it was
+            for packed in copies:
+                ext.linear(x, packed, out_features, None, None)
             rounds = []
             for _ in range(3):
                 start = time.perf_counter()

@@ -4,6 +4,7 @@ losslessly on every supported architecture, its caches stay in step, and it save
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ POLICIES = {
     "one-node": EaglePolicy(depth=1, nodes=1),
     "static": EaglePolicy(tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))),
     "threshold": EaglePolicy(depth=6, nodes=12, threshold=0.3),
+    "min-prob": EaglePolicy(depth=5, nodes=8, top_k=3, width=2, min_prob=0.05),
+    "min-prob-high": EaglePolicy(depth=4, nodes=6, min_prob=0.6),  # most steps verify the root alone
 }
 
 
@@ -110,6 +113,77 @@ def test_trees_respect_the_policy_and_leave_the_cache_as_found(llama):
     out = generate(llama, drafter, ids, max_new_tokens=25)
     assert torch.equal(out.sequences, greedy_reference(llama, ids, 25))
     assert sizes and all(s == 9 for s in sizes) and max(depths) <= 4
+
+
+def test_min_prob_keeps_the_likely_nodes_of_the_same_tree(llama):
+    """``min_prob`` cuts the tree the unpruned policy grows at the nodes whose draft path probability falls below
+    it (parents always kept with their children), proposes nothing where no node qualifies, and outputs stay equal."""
+    draft = eagle_draft(llama, seed=2)
+    ids = greedy_reference(llama, random_prompt(6, seed=9), 20)
+    with torch.no_grad():
+        hidden = llama(ids, output_hidden_states=True).hidden_states
+    layers = tuple(draft.config.aux_layers)
+    sizes = []
+    for cut in (0.02, 0.1, 0.3):
+        for end in (8, 13, 19):
+            trees = {}
+            for min_prob in (0.0, cut):
+                policy = EaglePolicy(depth=4, nodes=9, top_k=3, width=2, min_prob=min_prob)
+                drafter = EagleDrafter(llama, draft, policy)
+                state = DecodeState(model=llama, cache=None, sequence=ids[:, :end], sampling=SamplingParams(),
+                                    hidden={layer: hidden[layer][:, :end - 1] for layer in layers})
+                drafter.begin(state)
+                trees[min_prob] = drafter.propose(state)
+                scores = _path_probs(drafter, state, trees[min_prob])
+                assert all(p >= min_prob - 1e-6 for p in scores), (cut, end, scores)
+            full, pruned = trees[0.0], trees[cut]
+            full_paths = _paths(full)
+            full_probs = dict(zip(full_paths, _path_probs(EagleDrafter(llama, draft), state, full)))
+            kept = {path for path, prob in full_probs.items() if prob >= cut}
+            # the pruned tree's paths are exactly the unpruned tree's paths likely enough (up to float ties at the cut)
+            assert set(_paths(pruned)) <= set(full_paths)
+            assert {p for p in kept if full_probs[p] > cut * 1.001} <= set(_paths(pruned))
+            sizes.append(len(pruned))
+    assert max(sizes) > 0 and min(sizes) < 9  # the cut kept something somewhere, and cut something
+    drafter = EagleDrafter(llama, draft, EaglePolicy(depth=4, nodes=9, top_k=3, width=2, min_prob=0.999))
+    prompt = random_prompt(6, seed=3)
+    out = generate(llama, drafter, prompt, max_new_tokens=12)
+    assert torch.equal(out.sequences, greedy_reference(llama, prompt, 12))
+    assert max(out.stats.tree_sizes) == 0  # a random draft is never that sure: plain steps throughout
+
+
+def _paths(tree):
+    """Each node's path from the root as a tuple of token ids."""
+    paths = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def _path_probs(drafter, state, tree):
+    """Each node's path probability under the draft, recomputed one path at a time from the draft's own steps."""
+    draft = drafter.draft
+    column = {int(t): c for c, t in enumerate(draft.draft_vocab.tolist())}
+    probs = []
+    with torch.no_grad():
+        for path in _paths(tree):
+            probs.append(_path_prob(drafter, draft, column, state, path))
+    return probs
+
+
+def _path_prob(drafter, draft, column, state, path):
+    """One path's probability: the draft stepped along it alone, on a fresh copy of the drafter's context."""
+    fresh = EagleDrafter(drafter.model, draft, EaglePolicy())
+    fresh.begin(state)
+    fresh._extend(state)
+    prefix = fresh.cache.length
+    hidden, total = fresh.last, 0.0
+    for level, token in enumerate(path):
+        total += float(torch.log_softmax(draft.logits(hidden[0]).float(), dim=-1)[-1, column[token]])
+        if level + 1 < len(path):
+            hidden = draft.step(hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[prefix + level]]), None,
+                                fresh.cache)
+    return math.exp(total)
 
 
 def test_observed_positions_wait_for_the_next_proposal(llama):
