@@ -98,6 +98,9 @@ class EagleDrafter(DrafterBase):
         self.pending: list[list[torch.Tensor]] = []  # per observed step, its hidden_layers states not yet drafted on
         self.template = TreeTemplate(policy.tree) if policy.tree is not None else None
         self._backend = "stock"
+        #: the last proposed tree's path log-probabilities under the draft, in node order (None: a static tree, or
+        #: nothing proposed yet); ``scripts/draft_calibration.py`` compares them with what verification accepted
+        self.path_log_probs: list[float] | None = None
 
     def _weights(self):
         """The policy's draft weights for the layers' calls inside the block (a no-op without one)."""
@@ -221,6 +224,7 @@ class EagleDrafter(DrafterBase):
         # a tree whatever the cut
         best = sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes]
         keep = sorted(i for i in best if scores[i] >= log_keep)  # parents first
+        self.path_log_probs = [scores[i] for i in keep]
         if not keep:
             return DraftTree.empty()
         new_index = {old: new for new, old in enumerate(keep)}
@@ -265,6 +269,7 @@ class EagleDrafter(DrafterBase):
         template = self.template
         vocab = self.draft.draft_vocab
         n = len(template)
+        self.path_log_probs = None
         parents = template.parents.tolist()
         ranks = template.rank.tolist()
         depths = template.depth.tolist()
