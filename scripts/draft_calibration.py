@@ -71,7 +71,7 @@ def record_nodes(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, e
     return steps
 
 
-def tau_by_budget(steps: list[list[Node]], budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)) -> list[dict]:
+def tau_by_budget(steps: list[list[Node]], budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)) -> list[dict]:
     """The tau each node budget buys if verification cost nothing: per step, the ``n`` most probable of the recorded
     nodes (EAGLE-2's reranking), realized (what was accepted among them) and predicted (their summed probability)."""
     ranked = [sorted(step, key=lambda node: -node[0]) for step in steps]
