@@ -1,7 +1,12 @@
 """``selfspec demo``: answer a few sample prompts with and without Medusa heads (merged into one tree with prompt
 lookup, unless ``--no-lookup``, and with a ``--datastore`` of the model's own answers when given); print each
 method's tokens/s and tau per prompt and over all, and whether the answers are identical (greedy decoding is
-lossless, so they must be)."""
+lossless, so they must be).
+
+Where the committed feature drafter for the model is in the checkout (``heads/smollm2-135m-instruct-eagle3`` for the
+embedded default; ``--feature-drafter DIR`` names another, ``--no-feature-drafter`` skips it), the same prompts are
+also answered with it as prompt lookup's fallback (``lookup|eagle``, with the datastore merged in when given): heads
+trained for a few minutes beside a drafter trained for hours, on the same machine and prompts."""
 
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ import torch
 
 import decoding
 import medusa
-from decoding import combine, make_drafter
+from decoding import combine, fallback, make_drafter
 from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.runtime.adapters import adapter_spec
 from selfspec.runtime.cache import generate_kwargs
+from selfspec.runtime.identity import BaseModelMismatchError
 from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt
@@ -25,6 +31,8 @@ from selfspec.runtime.prompts import encode_prompt
 #: Where the committed heads for the embedded default model live, relative to the repository root.
 #: The sequential (Hydra-style) heads: the best committed drafter (docs/RESULTS.md).
 DEFAULT_HEADS = Path("heads") / "smollm2-135m-instruct-medusa-seq"
+#: The committed feature drafter (EAGLE-3 class) for the embedded default, shown beside the heads when present.
+DEFAULT_FEATURE_DRAFTER = Path("heads") / "smollm2-135m-instruct-eagle3"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: What the demo answers: an explanation, a piece of code, a rewrite of a given text (requests chat users make; none
 #: is a benchmark question or in the self-distilled corpus). One answer does not show an average: the demo reports all.
@@ -38,12 +46,11 @@ SAMPLE_PROMPTS = (
 WARMUP_TOKENS = 8
 
 
-def default_heads_dir() -> Path:
-    """``DEFAULT_HEADS`` in the working directory, else in the repository of this package."""
-    here = DEFAULT_HEADS
-    if here.is_dir():
-        return here
-    return Path(__file__).resolve().parents[2] / DEFAULT_HEADS
+def default_heads_dir(relative: Path = DEFAULT_HEADS) -> Path:
+    """``relative`` (default ``DEFAULT_HEADS``) in the working directory, else in the repository of this package."""
+    if relative.is_dir():
+        return relative
+    return Path(__file__).resolve().parents[2] / relative
 
 
 def register(subparsers) -> None:
@@ -63,6 +70,11 @@ def register(subparsers) -> None:
     p.add_argument("--dynamic", type=int, help="keep only the N most confident nodes of the tree at every step")
     p.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="draft with the heads alone (default: heads and prompt lookup merged into one tree)")
+    p.add_argument("--feature-drafter", default=None, metavar="DIR",
+                   help="also answer with this feature drafter (EAGLE-3 class) as prompt lookup's fallback (default: "
+                        f"the committed {DEFAULT_FEATURE_DRAFTER} when it is there and fits the model)")
+    p.add_argument("--no-feature-drafter", dest="feature_drafter", action="store_const", const="",
+                   help="answer with the Medusa heads only")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     add_backend_argument(p)
     p.set_defaults(func=run)
@@ -107,41 +119,81 @@ def run(args: argparse.Namespace) -> int:
         [make_drafter("datastore", model, args.datastore)] if args.datastore else [])
     drafter = combine(heads_drafter, *others) if others else heads_drafter
     label = "with Medusa heads" + (" + lookup" if args.lookup else "") + (" + datastore" if args.datastore else "")
+    feature, feature_dir = _feature_drafter(model, args)
     prompts = args.prompt or list(SAMPLE_PROMPTS)
     eos = tokenizer.eos_token_id
     print(f"model {args.model}, heads {heads_dir} ({heads_drafter.heads.config.num_heads} heads, "
           f"tree of {len(heads_drafter.template)} nodes{f', {args.dynamic} kept per step' if args.dynamic else ''}"
           f"{', merged with prompt lookup' if args.lookup else ''}"
           f"{f', datastore {args.datastore}' if args.datastore else ''}), {args.threads} threads, "
-          f"linear backend {backend}\n")
+          f"linear backend {backend}")
+    if feature is not None:
+        print(f"feature drafter {feature_dir}" + (" as prompt lookup's fallback" if args.lookup else "")
+              + (", datastore merged in" if args.datastore else ""))
+    print()
 
     rows, differ = [], []
     with torch.inference_mode():
         warm = encode_prompt(tokenizer, prompts[0])
         _baseline(model, warm, WARMUP_TOKENS, eos)
         decoding.generate(model, drafter, warm, max_new_tokens=WARMUP_TOKENS, eos_token_id=eos)
+        if feature is not None:
+            decoding.generate(model, feature, warm, max_new_tokens=WARMUP_TOKENS, eos_token_id=eos)
         for i, prompt in enumerate(prompts):
             input_ids = encode_prompt(tokenizer, prompt)
             reference, seconds = _baseline(model, input_ids, args.max_new_tokens, eos)
             out = decoding.generate(model, drafter, input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+            outs = [out] + ([decoding.generate(model, feature, input_ids, max_new_tokens=args.max_new_tokens,
+                                               eos_token_id=eos)] if feature is not None else [])
             length = input_ids.shape[1]
-            rows.append((reference.shape[1] - length, seconds, out.stats))
+            rows.append((reference.shape[1] - length, seconds, [o.stats for o in outs]))
             print(f"[{i + 1}] {prompt}\n{tokenizer.decode(out.sequences[0, length:], skip_special_tokens=True).strip()}\n")
-            if out.sequences.tolist() != reference.tolist():
+            if any(o.sequences.tolist() != reference.tolist() for o in outs):
                 differ.append((i, tokenizer.decode(reference[0, length:], skip_special_tokens=True).strip()))
 
-    print(f"tokens/s without heads (HF greedy generate) and {label}:")
-    print(f"{'prompt':<7} {'tokens':>6} {'without':>8} {'with':>8} {'tau':>5} {'speedup':>8}")
+    labels = [label] + ([f"with the feature drafter{' (lookup|eagle)' if args.lookup else ''}"
+                         f"{' + datastore' if args.datastore else ''}"] if feature is not None else [])
+    print("tokens/s without drafts (HF greedy generate) and " + "; ".join(
+        f"{name} ({chr(ord('A') + j)})" for j, name in enumerate(labels)) + ":")
+    columns = "".join(f" {f'{c}':>8} {f'tau {c}':>6} {f'speedup {c}':>10}" for c in "AB"[:len(labels)])
+    print(f"{'prompt':<7} {'tokens':>6} {'without':>8}" + columns)
     for i, (tokens, seconds, stats) in enumerate(rows):
         base = tokens / seconds if seconds > 0 else 0.0
-        print(f"{f'[{i + 1}]':<7} {tokens:>6} {base:>8.1f} {stats.tokens_per_s:>8.1f} {stats.tau:>5.2f} "
-              f"{stats.tokens_per_s / base if base else float('nan'):>7.2f}x")
+        cells = "".join(f" {st.tokens_per_s:>8.1f} {st.tau:>6.2f} "
+                        f"{st.tokens_per_s / base if base else float('nan'):>9.2f}x" for st in stats)
+        print(f"{f'[{i + 1}]':<7} {tokens:>6} {base:>8.1f}" + cells)
     base_tokens, base_seconds = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    new_tokens = sum(r[2].new_tokens for r in rows)
-    new_seconds = sum(r[2].time_total for r in rows)
-    speedup = (new_tokens / new_seconds) / (base_tokens / base_seconds) if new_seconds and base_seconds else float("nan")
-    print(f"all: speedup {speedup:.2f}x over HF greedy generate; answers identical: "
-          f"{len(rows) - len(differ)}/{len(rows)}")
+    for j, name in enumerate(labels):
+        new_tokens = sum(r[2][j].new_tokens for r in rows)
+        new_seconds = sum(r[2][j].time_total for r in rows)
+        speedup = ((new_tokens / new_seconds) / (base_tokens / base_seconds) if new_seconds and base_seconds
+                   else float("nan"))
+        print(f"all, {name}: speedup {speedup:.2f}x over HF greedy generate")
+    print(f"answers identical: {len(rows) - len(differ)}/{len(rows)}")
     for i, text in differ:
-        print(f"\n[{i + 1}] without heads: {text}")
+        print(f"\n[{i + 1}] without drafts: {text}")
     return 1 if differ else 0
+
+
+def _feature_drafter(model, args: argparse.Namespace):
+    """``(drafter, directory)`` of the feature drafter to show beside the heads, or ``(None, None)``: none asked
+    for (``--no-feature-drafter``), or the default one missing or made for another model (an explicit
+    ``--feature-drafter DIR`` that does not load raises)."""
+    import eagle
+
+    explicit = args.feature_drafter
+    if explicit == "":
+        return None, None
+    directory = Path(explicit) if explicit else default_heads_dir(DEFAULT_FEATURE_DRAFTER)
+    if not explicit and not directory.is_dir():
+        return None, None
+    try:
+        drafter = eagle.load(model, directory)
+    except BaseModelMismatchError:
+        if explicit:
+            raise
+        return None, None  # the committed drafter is for the embedded default; this is another model
+    drafter = fallback(LookupDrafter(), drafter) if args.lookup else drafter
+    if args.datastore:
+        drafter = combine(drafter, make_drafter("datastore", model, args.datastore))
+    return drafter, directory

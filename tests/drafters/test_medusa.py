@@ -441,6 +441,34 @@ def test_demo_with_a_datastore_and_own_prompts(tmp_path, capsys):
     assert "answers identical: 2/2" in out and "+ lookup + datastore" in out and "[1] one" in out and "[2] two" in out
 
 
+@pytest.mark.parametrize("lookup", [True, False])
+def test_demo_beside_a_feature_drafter(tmp_path, capsys, lookup):
+    """``--feature-drafter DIR`` answers the same prompts with it (as lookup's fallback), in its own columns, and
+    counts its answers in the identity check; the committed one is skipped for a model it was not made for."""
+    from eagle.model import save_pretrained
+    from selfspec.cli import main
+    from selfspec.runtime.models import load_model
+    from selfspec.testing import eagle_draft
+
+    model, _ = load_model("tiny:llama")
+    randomize_heads(MedusaHeads.for_model(model, num_heads=2), scale=0.05).save_pretrained(tmp_path / "h")
+    save_pretrained(eagle_draft(model, seed=3, draft_vocab_size=60), tmp_path / "e")
+    common = ["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "h"), "--max-new-tokens", "10",
+              "--threads", "1", "--prompt", "one", "--prompt", "two"] + ([] if lookup else ["--no-lookup"])
+    assert main(common + ["--feature-drafter", str(tmp_path / "e")]) == 0
+    out = capsys.readouterr().out
+    assert f"feature drafter {tmp_path / 'e'}" in out and "answers identical: 2/2" in out
+    assert ("with the feature drafter (lookup|eagle) (B)" in out) == lookup and "speedup B" in out
+    assert out.count("over HF greedy generate") == 2
+    assert main(common) == 0  # the committed drafter is SmolLM2's: not for this model, so not shown
+    out = capsys.readouterr().out
+    assert "feature drafter" not in out and "speedup B" not in out and out.count("over HF greedy generate") == 1
+    other, _ = load_model("tiny:qwen2")
+    save_pretrained(eagle_draft(other, seed=3), tmp_path / "q")
+    assert main(common + ["--feature-drafter", str(tmp_path / "q")]) == 2  # asked for by name: an error
+    assert "trained for" in capsys.readouterr().err
+
+
 def test_demo_errors(tmp_path, capsys):
     from selfspec.cli import main
     from selfspec.runtime.models import load_model
