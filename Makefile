@@ -23,7 +23,8 @@ test: install
 # The main job on the embedded default: train Medusa heads with the default recipe (self-generated, self-distilled
 # data; no dataset or hub needed), index the conversations the model wrote for it into a datastore, calibrate the
 # heads' tree to this machine, then answer three sample prompts with and without them (heads + prompt lookup +
-# datastore in one tree), and with the committed feature drafter as lookup's fallback (+ the datastore) beside them. `make demo DEMO_TRAIN=0` skips training and uses the committed heads with prompt lookup.
+# datastore in one tree), and with the committed feature drafter as lookup's fallback (+ the datastore) beside
+# them. `make demo DEMO_TRAIN=0` skips training and uses the committed heads with prompt lookup.
 DEMO_DIR ?= runs/demo
 DEMO_TRAIN ?= 1
 demo: install

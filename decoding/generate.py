@@ -165,13 +165,9 @@ def process_rows(processor, sequence: torch.Tensor, tree: DraftTree, logits: tor
     root's) reads ``sequence``, row ``i + 1`` (node ``i``) reads ``sequence`` followed by the tokens on the path down
     to node ``i``, exactly the ``input_ids`` ``model.generate`` would hand the processor at that point."""
     rows = []
-    paths: list[list[int]] = []
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = tree.token_paths
     for i in range(len(tree) + 1):
-        if i:
-            parent = parents[i - 1]
-            paths.append((paths[parent] if parent >= 0 else []) + [tokens[i - 1]])
-        prefix = sequence if i == 0 else torch.cat([sequence, sequence.new_tensor([paths[-1]])], dim=1)
+        prefix = sequence if i == 0 else torch.cat([sequence, sequence.new_tensor([paths[i - 1]])], dim=1)
         rows.append(processor(prefix, logits[i:i + 1]))
     return torch.cat(rows, dim=0)
 

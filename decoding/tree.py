@@ -88,6 +88,14 @@ class DraftTree:
         return self.parents.tolist()
 
     @cached_property
+    def token_paths(self) -> list[tuple[int, ...]]:
+        """Per node, the tokens on the path from the root down to it, itself included (the root's token is not)."""
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens.tolist(), self._parents_list):
+            paths.append((paths[parent] if parent != ROOT else ()) + (token,))
+        return paths
+
+    @cached_property
     def depth(self) -> torch.Tensor:
         """``[n]`` depth of each node; children of the root have depth 1."""
         depth: list[int] = []

@@ -51,10 +51,13 @@ class EaglePolicy:
         threshold: stop growing once no frontier path is more likely than this (0: never).
         min_prob: keep only nodes whose path is at least this likely under the draft (the product of the draft
             probabilities from the root), at most ``nodes`` of them; a step where no node qualifies verifies the root
-            alone (0: always ``nodes``). On a machine where every verified node costs time (a CPU: ``selfspec
-            cost``), a node the draft itself doubts costs more than it is expected to return, and a confident draft
-            may still run ``depth`` deep: the tree's size follows the draft's confidence step by step (OPT-Tree's
-            point, Wang et al. 2024). Growth also stops once no frontier path reaches it. Dynamic trees only.
+            alone (0: no cut, the ``nodes`` best). Nodes below it are not expanded, and growth stops once no
+            frontier path reaches it. On a machine where every verified node costs time (a CPU: ``selfspec cost``),
+            a node the draft itself doubts may cost more than it is expected to return, while a confident draft may
+            still run ``depth`` deep: the tree's size follows the draft's confidence step by step (OPT-Tree's point,
+            Wang et al. 2024). The draft's probabilities are calibrated enough for this (``scripts/
+            draft_calibration.py``); on a 2-core Xeon it bought nothing over a fixed 4 nodes (docs/RESULTS.md).
+            Dynamic trees only.
         draft_weights: what this drafter's own layers read on the skinny backend (``float16``, ``float32``,
             ``q8_0``, ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``), over the process-wide choice; None
             (default): the process-wide choice. Like the tree, a per-machine choice (``selfspec calibrate --grid
@@ -83,8 +86,9 @@ class EaglePolicy:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"eagle drafter: {name} must be a number in [0, 1), got {value!r}")
         if self.tree is not None and self.min_prob > 0:
-            raise ValueError("eagle drafter: min_prob prunes a dynamic tree; a static tree (tree=...) keeps its "
-                             "shape. Drop one of the two.")
+            raise ValueError("eagle drafter: min_prob prunes a dynamic tree, but a static tree is set (tree=..., "
+                             "given or saved with the drafter): a static tree keeps its shape. Drop min_prob, or "
+                             "pass tree=null to grow a dynamic tree instead.")
 
 
 class EagleDrafter(DrafterBase):
@@ -121,6 +125,7 @@ class EagleDrafter(DrafterBase):
         self.cache.reset()
         self.last = None
         self.pending = []
+        self.path_log_probs = None
         self._queue(state)
 
     def observe(self, state: DecodeState) -> None:
@@ -230,7 +235,9 @@ class EagleDrafter(DrafterBase):
         new_index = {old: new for new, old in enumerate(keep)}
         vocab = self.draft.draft_vocab
         ids = vocab[torch.tensor([columns[i] for i in keep], device=vocab.device)]
-        return DraftTree(ids.cpu(), torch.tensor([new_index.get(parents[i], -1) for i in keep], dtype=torch.long))
+        # every kept node's parent is kept (see above): a missing one would be a bug, not a child of the root
+        return DraftTree(ids.cpu(), torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                                                 dtype=torch.long))
 
     def _expand(self, prefix: int, level: int, nodes: list[int], parents: list[int], columns: list[int],
                 grown: "_Grown", previous: torch.Tensor | None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from selfspec.bench.cost import cpu_model
+from selfspec.cli.generate import parse_options
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt, read_prompts
@@ -61,9 +62,7 @@ def record_nodes(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, e
     steps = []
     for prefix, tree, log_probs in proposals:
         # the root is sequence[prefix]; a node's path is accepted when its tokens are what follows the root
-        paths: list[tuple[int, ...]] = []
-        for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
-            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        paths = tree.token_paths
         if prefix + 1 + max(len(path) for path in paths) > len(sequence):
             continue
         steps.append([(math.exp(log_prob), len(path), tuple(sequence[prefix + 1:prefix + 1 + len(path)]) == path)
@@ -74,6 +73,9 @@ def record_nodes(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, e
 def tau_by_budget(steps: list[list[Node]], budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)) -> list[dict]:
     """The tau each node budget buys if verification cost nothing: per step, the ``n`` most probable of the recorded
     nodes (EAGLE-2's reranking), realized (what was accepted among them) and predicted (their summed probability)."""
+    if not steps:
+        raise ValueError("no draft step was recorded: every proposal reached past the end of its output; give more "
+                         "--max-new-tokens or more prompts")
     ranked = [sorted(step, key=lambda node: -node[0]) for step in steps]
     rows = []
     for n in budgets:
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", action="store_true", help="take --limit prompts spread over the file")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--tree", default="depth=3 nodes=64 top_k=4 width=4",
-                        help="the wide tree to record (every grown node kept: nodes >= top_k * (1 + width * (depth-1)))")
+                        help="the drafter's options for the recorded trees, KEY=VALUE items (to keep every grown node: "
+                             "nodes >= top_k * (1 + width * (depth - 1)))")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=None, help="write a reliability plot (PNG) here")
     parser.add_argument("--json", default=None, help="write the table as JSON here")
@@ -136,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import eagle
 
-    options = {k: int(v) for k, v in (item.split("=") for item in args.tree.split())}
+    options = parse_options(args.tree.split())
     saved = json.loads((Path(args.heads) / "config.json").read_text())
-    base = args.model or saved.get("base_model", {}).get("name_or_path", "smollm2-135m-instruct")
+    base = args.model or (saved.get("base_model") or {}).get("name_or_path") or "smollm2-135m-instruct"
     model, tokenizer = load_model(base)
     set_linear_backend(model, "auto")
     drafter = eagle.load(model, args.heads, **options)

@@ -11,7 +11,9 @@ trained for a few minutes beside a drafter trained for hours, on the same machin
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from lookup import LookupDrafter
 from selfspec.cli.bench import add_backend_argument
 from selfspec.runtime.adapters import adapter_spec
 from selfspec.runtime.cache import generate_kwargs
-from selfspec.runtime.identity import BaseModelMismatchError
+from selfspec.runtime.identity import BaseModelWeightsWarning
 from selfspec.runtime.kernels import set_draft_weights, set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt
@@ -93,11 +95,12 @@ def _baseline(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; the exit status is 1 when the two answers differ.
+    """Run the demo; the exit status is 1 when a drafted answer differs from HF greedy ``generate``'s.
 
     Raises:
-        FileNotFoundError: no heads directory (the message says how to train one).
-        ValueError: heads for another base model, a bad tree, a bad ``--max-new-tokens``.
+        FileNotFoundError: no heads directory (the message says how to train one), or no ``--feature-drafter DIR``.
+        ValueError: heads or a ``--feature-drafter`` for another base model or unreadable, a bad tree, a bad
+            ``--max-new-tokens``.
     """
 
     if args.max_new_tokens < 1:
@@ -115,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
     backend = set_linear_backend(model, args.linear_backend)  # both runs below use it
     set_draft_weights(args.draft_weights)
     heads_drafter = medusa.load(model, heads_dir, tree=args.tree, dynamic=args.dynamic)  # fails fast on wrong heads
-    others = ([LookupDrafter()] if args.lookup else []) + (
-        [make_drafter("datastore", model, args.datastore)] if args.datastore else [])
+    store = make_drafter("datastore", model, args.datastore) if args.datastore else None  # stateless: shared
+    others = ([LookupDrafter()] if args.lookup else []) + ([store] if store is not None else [])
     drafter = combine(heads_drafter, *others) if others else heads_drafter
     label = "with Medusa heads" + (" + lookup" if args.lookup else "") + (" + datastore" if args.datastore else "")
-    feature, feature_dir = _feature_drafter(model, args)
+    feature, feature_dir = _feature_drafter(model, args, store)
     prompts = args.prompt or list(SAMPLE_PROMPTS)
     eos = tokenizer.eos_token_id
     print(f"model {args.model}, heads {heads_dir} ({heads_drafter.heads.config.num_heads} heads, "
@@ -148,11 +151,12 @@ def run(args: argparse.Namespace) -> int:
             length = input_ids.shape[1]
             rows.append((reference.shape[1] - length, seconds, [o.stats for o in outs]))
             print(f"[{i + 1}] {prompt}\n{tokenizer.decode(out.sequences[0, length:], skip_special_tokens=True).strip()}\n")
-            if any(o.sequences.tolist() != reference.tolist() for o in outs):
-                differ.append((i, tokenizer.decode(reference[0, length:], skip_special_tokens=True).strip()))
+            wrong = [chr(ord("A") + j) for j, o in enumerate(outs) if o.sequences.tolist() != reference.tolist()]
+            if wrong:
+                differ.append((i, wrong, tokenizer.decode(reference[0, length:], skip_special_tokens=True).strip()))
 
-    labels = [label] + ([f"with the feature drafter{' (lookup|eagle)' if args.lookup else ''}"
-                         f"{' + datastore' if args.datastore else ''}"] if feature is not None else [])
+    labels = [label] + ([(f"with the feature drafter{' (lookup|eagle)' if args.lookup else ''}"
+                          f"{' + datastore' if args.datastore else ''}")] if feature is not None else [])
     print("tokens/s without drafts (HF greedy generate) and " + "; ".join(
         f"{name} ({chr(ord('A') + j)})" for j, name in enumerate(labels)) + ":")
     columns = "".join(f" {f'{c}':>8} {f'tau {c}':>6} {f'speedup {c}':>10}" for c in "AB"[:len(labels)])
@@ -170,15 +174,21 @@ def run(args: argparse.Namespace) -> int:
                    else float("nan"))
         print(f"all, {name}: speedup {speedup:.2f}x over HF greedy generate")
     print(f"answers identical: {len(rows) - len(differ)}/{len(rows)}")
-    for i, text in differ:
-        print(f"\n[{i + 1}] without drafts: {text}")
+    for i, wrong, text in differ:
+        print(f"\n[{i + 1}] differs with {' and '.join(wrong)}; without drafts: {text}")
     return 1 if differ else 0
 
 
-def _feature_drafter(model, args: argparse.Namespace):
-    """``(drafter, directory)`` of the feature drafter to show beside the heads, or ``(None, None)``: none asked
-    for (``--no-feature-drafter``), or the default one missing or made for another model (an explicit
-    ``--feature-drafter DIR`` that does not load raises)."""
+def _feature_drafter(model, args: argparse.Namespace, store=None) -> tuple[object | None, Path | None]:
+    """``(drafter, directory)``: the feature drafter to show beside the heads (as lookup's fallback unless
+    ``--no-lookup``, with the datastore drafter ``store`` merged in), or ``(None, None)`` where none is asked for
+    (``--no-feature-drafter``) or the committed default does not fit (missing, unreadable, or made for another model
+    or other weights: a note says why).
+
+    Raises:
+        FileNotFoundError, ValueError: an explicit ``--feature-drafter DIR`` that does not load on this model (the
+            message names the option).
+    """
     import eagle
 
     explicit = args.feature_drafter
@@ -188,12 +198,15 @@ def _feature_drafter(model, args: argparse.Namespace):
     if not explicit and not directory.is_dir():
         return None, None
     try:
-        drafter = eagle.load(model, directory)
-    except BaseModelMismatchError:
+        with warnings.catch_warnings():
+            # the same architecture and shapes with other weights (a fine-tune, Medusa-2's adapted model) only warns
+            warnings.simplefilter("error", BaseModelWeightsWarning)
+            drafter = eagle.load(model, directory)
+    except (BaseModelWeightsWarning, FileNotFoundError, ValueError) as error:
         if explicit:
-            raise
-        return None, None  # the committed drafter is for the embedded default; this is another model
+            raise type(error)(f"--feature-drafter {directory}: {error}") from error
+        print(f"note: the committed feature drafter {directory} is not shown ({str(error).splitlines()[0]}); "
+              "--no-feature-drafter silences this", file=sys.stderr)
+        return None, None
     drafter = fallback(LookupDrafter(), drafter) if args.lookup else drafter
-    if args.datastore:
-        drafter = combine(drafter, make_drafter("datastore", model, args.datastore))
-    return drafter, directory
+    return (combine(drafter, store) if store is not None else drafter), directory

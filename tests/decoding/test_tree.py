@@ -28,6 +28,7 @@ def test_branching_tree_derivations():
     assert tree.depth.tolist() == [1, 1, 2, 2, 2]
     assert tree.children == [[0, 1], [2, 3], [4], [], [], []]
     assert sorted(tree.paths) == [[0, 2], [0, 3], [1, 4]]
+    assert tree.token_paths == [(10,), (11,), (10, 12), (10, 13), (11, 14)]
     mask = tree.ancestor_mask
     assert mask[3].tolist() == [True, True, False, True, False, False]  # node 2 sees root, node 0, itself
     assert mask[5].tolist() == [True, False, True, False, False, True]  # node 4 sees root, node 1, itself

@@ -77,6 +77,7 @@ POLICIES = {
     "threshold": EaglePolicy(depth=6, nodes=12, threshold=0.3),
     "min-prob": EaglePolicy(depth=5, nodes=8, top_k=3, width=2, min_prob=0.05),
     "min-prob-high": EaglePolicy(depth=4, nodes=6, min_prob=0.6),  # most steps verify the root alone
+    "min-prob-depth-1": EaglePolicy(depth=1, nodes=4, min_prob=0.1),
 }
 
 
@@ -85,11 +86,15 @@ POLICIES = {
 def test_greedy_output_equals_generate(arch, policy):
     model = tiny_model(arch)
     drafter = EagleDrafter(model, eagle_draft(model, seed=7, draft_vocab_size=60), POLICIES[policy])
+    sizes = []
     for n, new in ((1, 9), (4, 30), (23, 17)):
         ids = random_prompt(n, seed=n)
         out = generate(model, drafter, ids, max_new_tokens=new)
         assert torch.equal(out.sequences, greedy_reference(model, ids, new)), (arch, policy, n)
         assert drafter.cache.length == out.sequences.shape[1] - 2 or out.stats.new_tokens == new
+        sizes += out.stats.tree_sizes
+    if policy == "min-prob":  # a cut that keeps trees and cuts some: outputs are checked on both kinds of step
+        assert max(sizes) > 0 and min(sizes) < 8, (arch, sizes)
 
 
 def test_trees_respect_the_policy_and_leave_the_cache_as_found(llama):
@@ -136,13 +141,15 @@ def test_min_prob_keeps_the_likely_nodes_of_the_same_tree(llama):
                 trees[min_prob] = drafter.propose(state)
                 scores = _path_probs(drafter, state, trees[min_prob])
                 assert all(p >= min_prob - 1e-6 for p in scores), (cut, end, scores)
+                # what the drafter records for the tree (scripts/draft_calibration.py reads it) is each node's own
+                assert [math.exp(s) for s in drafter.path_log_probs] == pytest.approx(scores, rel=1e-4)
             full, pruned = trees[0.0], trees[cut]
-            full_paths = _paths(full)
+            full_paths = full.token_paths
             full_probs = dict(zip(full_paths, _path_probs(EagleDrafter(llama, draft), state, full)))
             kept = {path for path, prob in full_probs.items() if prob >= cut}
             # the pruned tree's paths are exactly the unpruned tree's paths likely enough (up to float ties at the cut)
-            assert set(_paths(pruned)) <= set(full_paths)
-            assert {p for p in kept if full_probs[p] > cut * 1.001} <= set(_paths(pruned))
+            assert set(pruned.token_paths) <= set(full_paths)
+            assert {p for p in kept if full_probs[p] > cut * 1.001} <= set(pruned.token_paths)
             sizes.append(len(pruned))
     assert max(sizes) > 0 and min(sizes) < 9  # the cut kept something somewhere, and cut something
     drafter = EagleDrafter(llama, draft, EaglePolicy(depth=4, nodes=9, top_k=3, width=2, min_prob=0.999))
@@ -152,21 +159,13 @@ def test_min_prob_keeps_the_likely_nodes_of_the_same_tree(llama):
     assert max(out.stats.tree_sizes) == 0  # a random draft is never that sure: plain steps throughout
 
 
-def _paths(tree):
-    """Each node's path from the root as a tuple of token ids."""
-    paths = []
-    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
-        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
-    return paths
-
-
 def _path_probs(drafter, state, tree):
     """Each node's path probability under the draft, recomputed one path at a time from the draft's own steps."""
     draft = drafter.draft
     column = {int(t): c for c, t in enumerate(draft.draft_vocab.tolist())}
     probs = []
     with torch.no_grad():
-        for path in _paths(tree):
+        for path in tree.token_paths:
             probs.append(_path_prob(drafter, draft, column, state, path))
     return probs
 
@@ -272,6 +271,18 @@ def test_bad_input_is_refused_clearly(llama, tmp_path):
         make_eagle_drafter(llama, str(tmp_path / "d"), bogus=1)
     with pytest.raises(ValueError, match="nodes must be an integer"):
         EaglePolicy(nodes=0)
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match=r"min_prob must be a number in \[0, 1\)"):
+            EaglePolicy(min_prob=bad)
+    with pytest.raises(ValueError, match="a static tree is set.*pass tree=null"):
+        EaglePolicy(tree=((0,), (0, 0)), min_prob=0.1)
+    saved_static = tmp_path / "static"
+    static = eagle_draft(llama)
+    static.config.decoding = {"tree": [[0], [0, 0]]}  # a drafter whose saved default is a static tree
+    save_pretrained(static, saved_static)
+    with pytest.raises(ValueError, match="given or saved with the drafter"):
+        make_eagle_drafter(llama, str(saved_static), min_prob=0.1)
+    assert make_eagle_drafter(llama, str(saved_static), min_prob=0.1, tree=None).policy.tree is None
     with pytest.raises(ValueError, match="supports"):
         eagle_draft(tiny_model("gpt2"))
     weights = tmp_path / "d" / "model.safetensors"

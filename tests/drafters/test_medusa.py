@@ -446,6 +446,7 @@ def test_demo_beside_a_feature_drafter(tmp_path, capsys, lookup):
     """``--feature-drafter DIR`` answers the same prompts with it (as lookup's fallback), in its own columns, and
     counts its answers in the identity check; the committed one is skipped for a model it was not made for."""
     from eagle.model import save_pretrained
+    from lookup.datastore import Datastore
     from selfspec.cli import main
     from selfspec.runtime.models import load_model
     from selfspec.testing import eagle_draft
@@ -455,18 +456,30 @@ def test_demo_beside_a_feature_drafter(tmp_path, capsys, lookup):
     save_pretrained(eagle_draft(model, seed=3, draft_vocab_size=60), tmp_path / "e")
     common = ["demo", "--model", "tiny:llama", "--heads", str(tmp_path / "h"), "--max-new-tokens", "10",
               "--threads", "1", "--prompt", "one", "--prompt", "two"] + ([] if lookup else ["--no-lookup"])
+    Datastore.build([[5, 6, 7, 8]], meta={"vocab_size": model.config.vocab_size}).save(tmp_path / "ds")
     assert main(common + ["--feature-drafter", str(tmp_path / "e")]) == 0
     out = capsys.readouterr().out
     assert f"feature drafter {tmp_path / 'e'}" in out and "answers identical: 2/2" in out
-    assert ("with the feature drafter (lookup|eagle) (B)" in out) == lookup and "speedup B" in out
+    name = "with the feature drafter" + (" (lookup|eagle)" if lookup else "")
+    assert f"{name} (B)" in out and "speedup B" in out and f"all, {name}: speedup" in out
     assert out.count("over HF greedy generate") == 2
-    assert main(common) == 0  # the committed drafter is SmolLM2's: not for this model, so not shown
+    assert main(common + ["--feature-drafter", str(tmp_path / "e"), "--datastore", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
-    assert "feature drafter" not in out and "speedup B" not in out and out.count("over HF greedy generate") == 1
+    assert "datastore merged in" in out and f"{name} + datastore (B)" in out and "answers identical: 2/2" in out
+    assert main(common + ["--feature-drafter", str(tmp_path / "e"), "--no-feature-drafter"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup B" not in out and out.count("over HF greedy generate") == 1
+    assert main(common) == 0  # the committed drafter is SmolLM2's: not for this model, so not shown, with a note
+    captured = capsys.readouterr()
+    assert "speedup B" not in captured.out and captured.out.count("over HF greedy generate") == 1
+    assert "not shown" in captured.err and "--no-feature-drafter silences this" in captured.err
     other, _ = load_model("tiny:qwen2")
     save_pretrained(eagle_draft(other, seed=3), tmp_path / "q")
     assert main(common + ["--feature-drafter", str(tmp_path / "q")]) == 2  # asked for by name: an error
-    assert "trained for" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--feature-drafter {tmp_path / 'q'}:" in err and "trained for" in err
+    assert main(common + ["--feature-drafter", str(tmp_path / "none")]) == 2
+    assert f"--feature-drafter {tmp_path / 'none'}:" in capsys.readouterr().err
 
 
 def test_demo_errors(tmp_path, capsys):
