@@ -13,7 +13,6 @@ import os
 import platform
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -22,7 +21,7 @@ from tqdm.auto import tqdm
 
 from selfspec.bench.cost import cpu_model
 from selfspec.bench.methods import Generation, GenSettings, Method, parse_method
-from selfspec.runtime.prompts import encode_prompt, read_prompts
+from selfspec.runtime.prompts import choose_prompts, encode_prompt, read_prompts
 
 REFERENCE = "vanilla"
 #: a divergence where vanilla's top-2 logits are closer than this is fp32 rounding, not a bug
@@ -58,9 +57,10 @@ def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_s
         if synthetic or tokenizer is None:
             return synthetic_prompts(vocab_size, limit or 4, seed=seed)
         raise ValueError("--prompts FILE.jsonl is required for a model with a tokenizer")
-    chosen = read_prompts(path, limit, spread=spread)
+    every = read_prompts(path)  # once: the choice below and the category check both read it
+    chosen = choose_prompts(every, limit, spread=spread)
     if limit is not None and not spread:
-        missing = category_gap(path, chosen)
+        missing = category_gap(every, chosen)
         if missing:
             warnings.warn(f"the first {len(chosen)} prompts of {path} cover {len(missing[0])} of its "
                           f"{len(missing[0]) + len(missing[1])} categories ({', '.join(missing[0])}; not "
@@ -69,10 +69,10 @@ def load_prompts(tokenizer: Any, path: str | None, limit: int | None, *, vocab_s
     return [Prompt(p["id"], encode_prompt(tokenizer, p["prompt"]), p.get("category")) for p in chosen]
 
 
-def category_gap(path: str | Path, chosen: Sequence[dict]) -> tuple[list[str], list[str]] | None:
-    """``(covered, left out)`` categories where ``chosen`` (from ``read_prompts``) misses some of the file's, else
-    None (also for files without categories)."""
-    every = list(dict.fromkeys(p["category"] for p in read_prompts(path) if p.get("category")))
+def category_gap(every: Sequence[dict], chosen: Sequence[dict]) -> tuple[list[str], list[str]] | None:
+    """``(covered, left out)`` categories where ``chosen`` misses some of ``every`` prompt's (both from
+    ``read_prompts``), else None (also for prompts without categories)."""
+    every = list(dict.fromkeys(p["category"] for p in every if p.get("category")))
     covered = list(dict.fromkeys(p["category"] for p in chosen if p.get("category")))
     left = [c for c in every if c not in covered]
     return (covered, left) if covered and left else None

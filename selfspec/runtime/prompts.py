@@ -41,9 +41,16 @@ def read_prompts(path: str | Path, limit: int | None = None, *, spread: bool = F
             break
     if not out:
         raise ValueError(f"{path} holds no prompts")
-    if spread and limit is not None and limit < len(out):
-        out = [out[i * len(out) // limit] for i in range(limit)]
-    return out
+    return choose_prompts(out, limit, spread=spread)
+
+
+def choose_prompts(prompts: list, limit: int | None, *, spread: bool = False) -> list:
+    """The first ``limit`` of ``prompts`` (all with None), or with ``spread`` ``limit`` of them evenly spaced."""
+    if limit is None or limit >= len(prompts):
+        return list(prompts)
+    if spread:
+        return [prompts[i * len(prompts) // limit] for i in range(limit)]
+    return list(prompts[:limit])
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> torch.Tensor:

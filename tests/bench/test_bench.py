@@ -362,7 +362,7 @@ def test_speedup_and_tau_per_prompt_category():
     assert category_lines({"methods": summarize(model, run)}) == ""
 
 
-def test_the_first_prompts_of_a_file_blocked_by_category_are_flagged(tmp_path):
+def test_the_first_prompts_of_a_file_blocked_by_category_are_flagged(tmp_path, monkeypatch):
     """MT-bench lists its categories in blocks of ten: ``--limit 12`` alone takes two categories of eight, which a
     warning names (with the fix, --spread); spread prompts, or a limit that covers every category, pass silently."""
     import warnings
@@ -377,9 +377,13 @@ def test_the_first_prompts_of_a_file_blocked_by_category_are_flagged(tmp_path):
         def __call__(self, text, return_tensors=None):
             return type("Enc", (), {"input_ids": torch.tensor([[2, 3, 4]])})()
 
+    reads = []
+    read = bench.read_prompts
+    monkeypatch.setattr(bench, "read_prompts", lambda *args, **kw: reads.append(args) or read(*args, **kw))
     with pytest.warns(UserWarning, match=r"first 5 prompts .* cover 2 of its 3 categories \(writing, coding; not math\)"
                                          r".*--spread"):
         prompts = bench.load_prompts(_Tok(), str(path), 5, vocab_size=10)
+    assert len(reads) == 1  # the file is read once for the prompts and their categories
     assert [p.category for p in prompts] == ["writing"] * 4 + ["coding"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
