@@ -12,6 +12,7 @@ differ per parent: the drafter runs one batched step per depth over the tree's n
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Sequence, Union
@@ -26,6 +27,7 @@ from medusa.export import import_fasterdecoding, is_fasterdecoding_dir
 from medusa.heads import MedusaHeads
 from medusa.trees import DEFAULT_TREE_SIZE, default_tree
 from selfspec.runtime.attention import LayerCache
+from selfspec.runtime.kernels import DRAFT_WEIGHTS, using_draft_weights
 
 #: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
 #: a size, a JSON list of choices, or the path of a JSON file with one.
@@ -124,15 +126,23 @@ class MedusaDrafter(ContextDrafter):
             of at that step. Parallel heads pick them from ``tree`` as a pool (``DynamicTreeSelector``); sequential
             heads grow them, ``tree``'s depth deep, from the ``width`` best paths per depth with ``top_k`` children
             each (``SequentialBeam``, EAGLE-2 style). ``None``: the static tree as it is.
+        draft_weights: what the heads' own layers read on the skinny backend (``float16``, ``float32``, ``q8_0``,
+            ``q4_1``; ``selfspec.runtime.kernels.set_draft_weights``), over the process-wide choice; None (default):
+            the process-wide choice. It may change what is accepted, never what is output.
 
     Raises:
-        ValueError: the tree does not fit the heads, or ``dynamic`` is not between 1 and the tree's size.
+        ValueError: the tree does not fit the heads, ``dynamic`` is not between 1 and the tree's size, or an unknown
+            ``draft_weights``.
     """
 
     hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None,
-                 width: int | str | None = None, top_k: int | str | None = None):
+                 width: int | str | None = None, top_k: int | str | None = None, draft_weights: str | None = None):
+        if draft_weights is not None and draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"medusa drafter: draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got "
+                             f"{draft_weights!r}")
+        self.draft_weights = draft_weights
         self.heads = heads.eval()
         saved = heads.config.dynamic_tree
         if tree is None and dynamic is None and saved:  # the calibrated default
@@ -156,6 +166,19 @@ class MedusaDrafter(ContextDrafter):
         self.context_cache = LayerCache() if heads.prefix is not None else None
         self._start: torch.Tensor | None = None
 
+    def _weights(self):
+        """The drafter's own draft weights for the heads' calls inside the block (a no-op without them)."""
+        weights = self.draft_weights
+        return using_draft_weights(weights) if weights is not None else contextlib.nullcontext()
+
+    def begin(self, state: DecodeState) -> None:
+        with self._weights():
+            super().begin(state)
+
+    def observe(self, state: DecodeState) -> None:
+        with self._weights():
+            super().observe(state)
+
     def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Run the prefix attention over the positions the last forward added to the base cache; each one's next
         token is in ``state.sequence`` by now (the last one's is the root)."""
@@ -164,6 +187,10 @@ class MedusaDrafter(ContextDrafter):
         self._start = self.heads.context(hidden, next_tokens, positions, self.context_cache)[:, -1:]
 
     def propose(self, state: DecodeState) -> DraftTree | None:
+        with self._weights():
+            return self._propose(state)
+
+    def _propose(self, state: DecodeState) -> DraftTree | None:
         hidden = state.hidden.get(-1)
         if hidden is None:
             raise RuntimeError("MedusaDrafter needs the last hidden state (hidden_layers=(-1,)) in DecodeState.hidden")
@@ -190,7 +217,7 @@ class MedusaDrafter(ContextDrafter):
 
 def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None, dynamic: int | str | None = None,
          width: int | str | None = None, top_k: int | str | None = None, dtype: torch.dtype | None = None,
-         merge_adapter: bool = False) -> MedusaDrafter:
+         merge_adapter: bool = False, draft_weights: str | None = None) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 
     ``heads_dir`` may also hold heads published with FasterDecoding/Medusa (``medusa_lm_head.safetensors`` or
@@ -210,18 +237,19 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
             heads = heads.to(dtype)
     else:
         heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
-    return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k)
+    return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k, draft_weights=draft_weights)
 
 
 def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, **options) -> MedusaDrafter:
-    """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic``).
+    """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic``,
+    ``width``, ``top_k``, ``draft_weights``).
 
     Raises:
         ValueError: no heads directory, or an unknown option.
     """
     if heads_dir is None:
         raise ValueError("the medusa drafter needs a heads directory (--heads DIR)")
-    known = {"tree", "dynamic", "width", "top_k"}
+    known = {"tree", "dynamic", "width", "top_k", "draft_weights"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown medusa drafter option(s) {unknown}; known: {sorted(known)}")

@@ -763,3 +763,32 @@ def test_a_feature_drafters_policy_chooses_its_own_draft_weights(built, monkeypa
     assert from_spec.policy.draft_weights == "q8_0"
     with pytest.raises(ValueError, match="draft_weights must be one of float16, float32, q8_0, q4_1"):
         EaglePolicy(draft_weights="q5")
+
+
+def test_medusa_heads_choose_their_own_draft_weights(built, monkeypatch, tmp_path):
+    """``MedusaDrafter(..., draft_weights="q4_1")`` (or ``medusa:DIR[draft_weights=q4_1]``): the heads' draft head
+    packs on Q4_1 while the process-wide choice stays float16; lossless; a bad name is refused."""
+    from decoding.generate import generate
+    from decoding.registry import make_drafter
+    from medusa.drafter import MedusaDrafter
+    from medusa.heads import MedusaHeads
+    from selfspec.testing import greedy_reference, random_prompt, randomize_heads
+
+    monkeypatch.setattr(kernels, "_draft_weights", "float16")
+    model = tiny_model("llama", dtype=torch.float32)
+    set_linear_backend(model, "skinny")
+    heads = randomize_heads(MedusaHeads.for_model(model, num_heads=2, draft_vocab_size=64), scale=0.05)
+    drafter = MedusaDrafter(heads, tree=8, draft_weights="q4_1")
+    ids = random_prompt(5, seed=5)
+    out = generate(model, drafter, ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, greedy_reference(model, ids, 20))
+    assert kernels.draft_weights() == "float16"  # restored after every call
+    assert skinny.packed_format(heads._draft_head.forward._weight) == "q4_1"
+    plain = MedusaDrafter(heads, tree=8)  # the process-wide choice: float16 panels again
+    assert torch.equal(generate(model, plain, ids, max_new_tokens=20).sequences, out.sequences)
+    assert skinny.packed_format(heads._draft_head.forward._weight) == "float16"
+    assert not any(key.startswith("_draft_head") for key in heads.state_dict())  # heads used on skinny still save
+    heads.save_pretrained(tmp_path / "m")
+    assert make_drafter(f"medusa:{tmp_path / 'm'}[draft_weights=q8_0]", model).draft_weights == "q8_0"
+    with pytest.raises(ValueError, match="draft_weights must be one of float16, float32, q8_0, q4_1"):
+        MedusaDrafter(heads, draft_weights="q5")
