@@ -243,7 +243,7 @@ class MedusaHeads(nn.Module):
             if self._draft_head is None:
                 # kept out of the module tree: a view of the shared LM head's rows, not a weight of these heads
                 # (registered, it entered state_dict and the saved heads no longer loaded)
-                self.__dict__["_draft_head"] = _linear_of(self._draft_weight, bias)
+                object.__setattr__(self, "_draft_head", _linear_of(self._draft_weight, bias))
             set_module_backend(self._draft_head, draft_backend("skinny"))  # float16 panels unless turned off
             out = self._draft_head(flat)
         else:
