@@ -61,8 +61,10 @@ from selfspec.training.data import BUILTIN_PROMPTS
 
 #: early-exit policies tried by default: chain length x path-confidence threshold
 EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
-#: feature-drafter (EAGLE) policies tried by default: tree depth x node budget x children per expanded node
-EAGLE_GRID = "depth=4,5 nodes=3,4,6,8 top_k=2,4"
+#: feature-drafter (EAGLE) policies tried by default: tree depth x node budget x children per expanded node. The
+#: choices recorded in docs/RESULTS.md span depth 2 (2-core Xeon, one-call stack and exact grids: 4 nodes, top-4) to
+#: depth 5 (AVX2 EPYC: 4 nodes, top-2); depth 6 never beat 4 or 5 at the same node budget.
+EAGLE_GRID = "depth=2,3,4,5 nodes=4,6,8 top_k=2,4"
 
 
 def _load_exit_classifier(heads: str, model) -> None:
