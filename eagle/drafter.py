@@ -19,7 +19,6 @@ exactly the verified positions between steps.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
 from eagle.model import DraftCache, EagleDraftModel
 from selfspec.runtime.attention import follow_attention
-from selfspec.runtime.kernels import DRAFT_WEIGHTS, follow_backend, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, follow_backend, using_draft_weights
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
 _MIN_LOG_PROB = -1e4
@@ -74,9 +73,7 @@ class EaglePolicy:
     draft_weights: str | None = None
 
     def __post_init__(self):
-        if self.draft_weights is not None and self.draft_weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"eagle drafter: draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got "
-                             f"{self.draft_weights!r}")
+        check_draft_weights(self.draft_weights, "eagle drafter")
         for name in ("depth", "nodes", "top_k", "width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -106,14 +103,9 @@ class EagleDrafter(DrafterBase):
         #: nothing proposed yet); ``scripts/draft_calibration.py`` compares them with what verification accepted
         self.path_log_probs: list[float] | None = None
 
-    def _weights(self):
-        """The policy's draft weights for the layers' calls inside the block (a no-op without one)."""
-        weights = self.policy.draft_weights
-        return using_draft_weights(weights) if weights is not None else contextlib.nullcontext()
-
     # ------------------------------------------------------------ context
     def begin(self, state: DecodeState) -> None:
-        with self._weights():
+        with using_draft_weights(self.policy.draft_weights):
             self._begin(state)
 
     def _begin(self, state: DecodeState) -> None:
@@ -167,7 +159,7 @@ class EagleDrafter(DrafterBase):
     # ------------------------------------------------------------ drafting
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree | None:
-        with self._weights():
+        with using_draft_weights(self.policy.draft_weights):
             return self._propose(state)
 
     def _propose(self, state: DecodeState) -> DraftTree | None:
@@ -227,8 +219,8 @@ class EagleDrafter(DrafterBase):
         ranked = [max(score, _MIN_LOG_PROB) - level * _DEPTH_TIE_BREAK for score, level in zip(scores, levels)]
         # a child never scores above its parent: the kept nodes (the best ``nodes``, then those likely enough) are
         # a tree whatever the cut
-        best = sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes]
-        keep = sorted(i for i in best if scores[i] >= log_keep)  # parents first
+        top = sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:nodes]
+        keep = sorted(i for i in top if scores[i] >= log_keep)  # parents first
         self.path_log_probs = [scores[i] for i in keep]
         if not keep:
             return DraftTree.empty()

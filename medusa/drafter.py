@@ -12,7 +12,6 @@ differ per parent: the drafter runs one batched step per depth over the tree's n
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Sequence, Union
@@ -27,7 +26,7 @@ from medusa.export import import_fasterdecoding, is_fasterdecoding_dir
 from medusa.heads import MedusaHeads
 from medusa.trees import DEFAULT_TREE_SIZE, default_tree
 from selfspec.runtime.attention import LayerCache
-from selfspec.runtime.kernels import DRAFT_WEIGHTS, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, using_draft_weights
 
 #: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
 #: a size, a JSON list of choices, or the path of a JSON file with one.
@@ -139,9 +138,7 @@ class MedusaDrafter(ContextDrafter):
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None,
                  width: int | str | None = None, top_k: int | str | None = None, draft_weights: str | None = None):
-        if draft_weights is not None and draft_weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"medusa drafter: draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got "
-                             f"{draft_weights!r}")
+        check_draft_weights(draft_weights, "medusa drafter")
         self.draft_weights = draft_weights
         self.heads = heads.eval()
         saved = heads.config.dynamic_tree
@@ -166,17 +163,12 @@ class MedusaDrafter(ContextDrafter):
         self.context_cache = LayerCache() if heads.prefix is not None else None
         self._start: torch.Tensor | None = None
 
-    def _weights(self):
-        """The drafter's own draft weights for the heads' calls inside the block (a no-op without them)."""
-        weights = self.draft_weights
-        return using_draft_weights(weights) if weights is not None else contextlib.nullcontext()
-
     def begin(self, state: DecodeState) -> None:
-        with self._weights():
+        with using_draft_weights(self.draft_weights):
             super().begin(state)
 
     def observe(self, state: DecodeState) -> None:
-        with self._weights():
+        with using_draft_weights(self.draft_weights):
             super().observe(state)
 
     def extend_context(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> None:
@@ -187,7 +179,7 @@ class MedusaDrafter(ContextDrafter):
         self._start = self.heads.context(hidden, next_tokens, positions, self.context_cache)[:, -1:]
 
     def propose(self, state: DecodeState) -> DraftTree | None:
-        with self._weights():
+        with using_draft_weights(self.draft_weights):
             return self._propose(state)
 
     def _propose(self, state: DecodeState) -> DraftTree | None:

@@ -302,16 +302,30 @@ def draft_weights() -> str:
 
 
 @contextlib.contextmanager
-def using_draft_weights(dtype: str) -> Iterator[str]:
-    """``set_draft_weights(dtype)`` inside the block, the previous choice restored after it. Each drafter layer keeps
-    the copy it last packed, so two drafters that switch like this each repack once (a layer two of them share,
-    such as a base model's LM head, would repack at every switch)."""
+def using_draft_weights(dtype: str | None) -> Iterator[str]:
+    """``set_draft_weights(dtype)`` inside the block, the previous choice restored after it; None leaves the choice
+    as it is (a drafter without draft weights of its own). Each drafter layer keeps the copy it last packed, so two
+    drafters that switch like this each repack once (a layer two of them share, such as a base model's LM head, would
+    repack at every switch)."""
     previous = _draft_weights
+    if dtype is None:
+        yield previous
+        return
     set_draft_weights(dtype)
     try:
         yield dtype
     finally:
         set_draft_weights(previous)
+
+
+def check_draft_weights(dtype: str | None, owner: str) -> None:
+    """A drafter's own ``draft_weights`` option, checked where it is given (None: the process-wide choice).
+
+    Raises:
+        ValueError: not one of ``DRAFT_WEIGHTS``; the message starts with ``owner`` (e.g. ``eagle drafter``).
+    """
+    if dtype is not None and dtype not in DRAFT_WEIGHTS:
+        raise ValueError(f"{owner}: draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {dtype!r}")
 
 
 def draft_backend(backend: str) -> str:

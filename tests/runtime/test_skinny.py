@@ -756,6 +756,8 @@ def test_a_feature_drafters_policy_chooses_its_own_draft_weights(built, monkeypa
     out = generate(model, drafter, ids, max_new_tokens=20)
     assert torch.equal(out.sequences, greedy_reference(model, ids, 20))
     assert kernels.draft_weights() == "float16"  # restored after every call
+    with kernels.using_draft_weights(None):  # a drafter without its own: the process-wide choice, untouched
+        assert kernels.draft_weights() == "float16"
     formats = {skinny.packed_format(m.forward._weight) for m in module.linear_layers() if m.in_features % 32 == 0}
     assert formats == {"q4_1"}
     save_pretrained(eagle_draft(model, seed=7, draft_vocab_size=60), tmp_path / "e")
