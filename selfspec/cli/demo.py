@@ -44,6 +44,8 @@ SAMPLE_PROMPTS = (
     "Rewrite this note so that it sounds friendly: The meeting is moved to Friday at 3 pm. Bring the budget "
     "report. Do not be late.",
 )
+#: The demo's drafted answers, column by column: the Medusa heads, then the feature drafter.
+COLUMNS = "AB"
 #: New tokens of the untimed warm-up run of each method (first calls pay for lazy init and allocator growth).
 WARMUP_TOKENS = 8
 
@@ -151,15 +153,16 @@ def run(args: argparse.Namespace) -> int:
             length = input_ids.shape[1]
             rows.append((reference.shape[1] - length, seconds, [o.stats for o in outs]))
             print(f"[{i + 1}] {prompt}\n{tokenizer.decode(out.sequences[0, length:], skip_special_tokens=True).strip()}\n")
-            wrong = [chr(ord("A") + j) for j, o in enumerate(outs) if o.sequences.tolist() != reference.tolist()]
+            wrong = [COLUMNS[j] for j, o in enumerate(outs) if o.sequences.tolist() != reference.tolist()]
             if wrong:
                 differ.append((i, wrong, tokenizer.decode(reference[0, length:], skip_special_tokens=True).strip()))
 
     labels = [label] + ([(f"with the feature drafter{' (lookup|eagle)' if args.lookup else ''}"
                           f"{' + datastore' if args.datastore else ''}")] if feature is not None else [])
     print("tokens/s without drafts (HF greedy generate) and " + "; ".join(
-        f"{name} ({chr(ord('A') + j)})" for j, name in enumerate(labels)) + ":")
-    columns = "".join(f" {f'{c}':>8} {f'tau {c}':>6} {f'speedup {c}':>10}" for c in "AB"[:len(labels)])
+        f"{name} ({column})" for column, name in zip(COLUMNS, labels)) + ":")
+    columns = "".join(f" {column:>8} {f'tau {column}':>6} {f'speedup {column}':>10}"
+                      for column in COLUMNS[:len(labels)])
     print(f"{'prompt':<7} {'tokens':>6} {'without':>8}" + columns)
     for i, (tokens, seconds, stats) in enumerate(rows):
         base = tokens / seconds if seconds > 0 else 0.0
@@ -199,12 +202,15 @@ def _feature_drafter(model, args: argparse.Namespace, store=None) -> tuple[objec
         return None, None
     try:
         with warnings.catch_warnings():
-            # the same architecture and shapes with other weights (a fine-tune, Medusa-2's adapted model) only warns
-            warnings.simplefilter("error", BaseModelWeightsWarning)
+            if not explicit:
+                # the same architecture and shapes with other weights (a fine-tune, Medusa-2's adapted model) only
+                # warns: a drafter asked for by name still runs then, the committed default is left out
+                warnings.simplefilter("error", BaseModelWeightsWarning)
             drafter = eagle.load(model, directory)
     except (BaseModelWeightsWarning, FileNotFoundError, ValueError) as error:
         if explicit:
-            raise type(error)(f"--feature-drafter {directory}: {error}") from error
+            kind = FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError
+            raise kind(f"--feature-drafter {directory}: {error}") from error
         print(f"note: the committed feature drafter {directory} is not shown ({str(error).splitlines()[0]}); "
               "--no-feature-drafter silences this", file=sys.stderr)
         return None, None

@@ -480,6 +480,15 @@ def test_demo_beside_a_feature_drafter(tmp_path, capsys, lookup):
     assert f"--feature-drafter {tmp_path / 'q'}:" in err and "trained for" in err
     assert main(common + ["--feature-drafter", str(tmp_path / "none")]) == 2
     assert f"--feature-drafter {tmp_path / 'none'}:" in capsys.readouterr().err
+    # made for a model of the same shapes with other weights: asked for by name, it runs (with the loader's warning)
+    from selfspec.runtime.identity import BaseModelWeightsWarning
+    from selfspec.runtime.tiny import tiny_model
+
+    other_weights = tiny_model("llama", seed=1, vocab_size=model.config.vocab_size)
+    save_pretrained(eagle_draft(other_weights, seed=3, draft_vocab_size=60), tmp_path / "w")
+    with pytest.warns(BaseModelWeightsWarning):
+        assert main(common + ["--feature-drafter", str(tmp_path / "w")]) == 0
+    assert "speedup B" in capsys.readouterr().out
 
 
 def test_demo_errors(tmp_path, capsys):
