@@ -318,14 +318,15 @@ void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, fl
 // per tile for all its rows, and a second row tile over the same panels re-reads a few KB from L1 (a panel's grid
 // for K = 576 is 7 KB). Measured on a 2-core Xeon (AVX-512; SmolLM2's MLP, attention and LM-head shapes as Q4_1
 // and Q8_0 grids, `scripts/kernel_shapes.py --grid`): 12 x 2 beat 16 x 1 by 8-12% at 9-12 rows, and 8 x 2 row
-// passes beat 16 x 1 by 2-6% at 15-24 rows.
+// passes beat 16 x 1 by 2-6% at 15-24 rows. 3-4 rows take the 8 x 2 tile too (with its software prefetch): as 4 x 3
+// tiles without it, a whole 4-token forward of SmolLM2 cost more than a 5-token one (11.9 against 11.1-12.3 ms;
+// `scripts/kernel_ab.py --tokens 1,3,4,5`: 3 tokens 11.5 -> 11.1 ms, 4 tokens 11.9 -> 11.6, same Xeon).
 template <typename F>
 void grid_dispatch(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
                    const float* bias, const float* r, int64_t begin, int64_t end) {
 #ifdef __AVX512F__
   if (n == 1) grid_panels<F, 1, 4>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n == 2) grid_panels<F, 2, 4>(x, n, K, packed, out, M, bias, r, begin, end);
-  else if (n <= 4) grid_panels<F, 4, 3>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 8) grid_panels<F, 8, 2>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 12) grid_panels<F, 12, 2>(x, n, K, packed, out, M, bias, r, begin, end);
   else grid_panels<F, 8, 2>(x, n, K, packed, out, M, bias, r, begin, end);
