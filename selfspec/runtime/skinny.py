@@ -142,56 +142,143 @@ EXACT_GRIDS = True
 
 
 def q4_1_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(d, m, q)`` such that ``d * q + m``, computed in float32, is ``weight`` bit for bit (``d``, ``m``: float16
-    values, one pair per 32 consecutive inputs of an output, ``[out, in / 32]``; ``q``: integers 0..15, ``[out, in]``),
-    or ``None`` where the weight is not on such a grid (every float32 checkpoint not made from a Q4_1 file).
+    """``(d, m, q)`` such that ``d * q + m``, computed in float32, is ``weight`` bit for bit (``d``, ``m``: float32,
+    one pair per 32 consecutive inputs of an output, ``[out, in / 32]``; ``q``: integers 0..15, ``[out, in]``), or
+    ``None`` where the weight is not on such a grid (every float32 checkpoint not made from a quantized file).
 
-    The grid is found from the float32 values alone, as llama.cpp builds it: ``m`` is the block's minimum (its own
-    weight, q = 0) and ``d`` the float16 step nearest ``(max - m) / 15``, or one of its neighbours; every weight is
-    then checked against the rebuilt value."""
+    Two kinds of file put weights on such a grid, and the grid is found from the float32 values alone:
+
+    - Q4_1: ``d`` and ``m`` are float16. ``m`` is the block's minimum (its own weight, q = 0) and ``d`` the float16
+      step nearest ``(max - m) / 15``, or one of its neighbours.
+    - Q4_K (llama.cpp's k-quant; Gemma 3's GGUF holds some): each 32-input sub-block is ``D * q - M`` with
+      ``D = d * sc`` and ``M = dmin * mn`` (float16 times a 6-bit integer: at most 17 significant bits, products
+      exact in float32), so ``D * q`` is exact and the one rounding is that of the sum, as in the kernel
+      (``_k_quant_blocks``).
+
+    Every weight is checked against the rebuilt value either way."""
     out_features, in_features = weight.shape
     if in_features % GRID_BLOCK or weight.numel() == 0:
         return None
-    blocks = weight.reshape(out_features, in_features // GRID_BLOCK, GRID_BLOCK)
+    blocks = weight.reshape(-1, GRID_BLOCK)
     m = blocks.amin(-1, keepdim=True)
-    if not torch.isfinite(m).all() or not torch.equal(m.half().float(), m):
-        return None
     span = blocks.amax(-1, keepdim=True) - m
-    if not torch.isfinite(span).all() or span.max() > 15 * torch.finfo(torch.float16).max:
+    if not (torch.isfinite(m).all() and torch.isfinite(span).all()):
         return None
-    nearest = (span / 15).half()
-    found = torch.zeros_like(m, dtype=torch.bool)
     d, q = torch.zeros_like(m), torch.zeros_like(blocks)
-    for step in (0, 1, -1, 2, -2):  # float16 steps around the nearest
-        candidate = (nearest.view(torch.int16) + step).view(torch.float16).float()
-        if step and (candidate < 0).any():
-            candidate = candidate.clamp_min(0)
-        levels = torch.round((blocks - m) / torch.where(candidate > 0, candidate, 1.0)).clamp(0, 15) + 0.0  # no -0
-        rebuilt = candidate * levels + m  # compared bit for bit: -0.0 is not 0.0 here
-        hit = (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1, keepdim=True) & ~found
-        d, q = torch.where(hit, candidate, d), torch.where(hit, levels, q)
-        found |= hit
-        if found.all():
-            return d.squeeze(-1), m.squeeze(-1), q.reshape(out_features, in_features).to(torch.uint8)
-    return None
+    found = torch.zeros_like(m, dtype=torch.bool)
+    if torch.equal(m.half().float(), m) and span.max() <= 15 * torch.finfo(torch.float16).max:
+        nearest = (span / 15).half()
+        for step in (0, 1, -1, 2, -2):  # float16 steps around the nearest
+            candidate = (nearest.view(torch.int16) + step).view(torch.float16).float()
+            if step and (candidate < 0).any():
+                candidate = candidate.clamp_min(0)
+            _try_affine(blocks, candidate, m, found, d, q)
+            if found.all():
+                break
+    if not found.all() and not _k_quant_blocks(blocks, m, span, found, d, q):
+        return None
+    return d.view(out_features, -1), m.view(out_features, -1), q.reshape(out_features, in_features).to(torch.uint8)
+
+
+def _try_affine(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor, found: torch.Tensor, d_out: torch.Tensor,
+                q_out: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Where ``d * q + m`` (``q`` the nearest levels 0..15) rebuilds every weight of a block bit for bit and the
+    block has no grid yet, record ``d`` and ``q`` and mark it ``found``. ``blocks`` ``[n, 32]``; ``rows``: only
+    those blocks, ``d`` and ``m`` given per row of ``rows`` (default: every block, ``d`` and ``m`` ``[n, 1]``).
+    Returns which of them it found (a bool per block tried)."""
+    values = blocks if rows is None else blocks[rows]
+    levels = torch.round((values - m) / torch.where(d > 0, d, 1.0)).clamp(0, 15) + 0.0  # + 0.0: no -0.0 level
+    rebuilt = d * levels + m  # compared bit for bit: -0.0 is not 0.0 here
+    hit = (rebuilt.view(torch.int32) == values.view(torch.int32)).all(-1)
+    hit &= ~(found if rows is None else found[rows]).squeeze(-1)
+    where = hit.nonzero().squeeze(-1) if rows is None else rows[hit]
+    d_out[where] = d[hit]
+    q_out[where] = levels[hit]
+    found[where] = True
+    return hit
+
+
+_NEGATIVE_ZERO = -(2 ** 31)  # the bits of -0.0 as an int32
+
+#: the k-quant search gives up where more than this share of blocks is left after trying top levels 15..TOP_CHECK
+KQ_LEFT_AT_CHECK, TOP_CHECK = 0.5, 13
+
+#: float32 mantissa bits below the 17 significant bits of a k-quant scale (float16 x 6-bit integer)
+_BELOW_17_BITS = 0x7F
+
+
+def _round_17_bits(x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """``x`` (float32) rounded to 17 significant bits, then moved ``step`` units of the 17th bit."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + 64) & ~_BELOW_17_BITS) + step * (_BELOW_17_BITS + 1)
+    return rounded.view(torch.float32)
+
+
+def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, found: torch.Tensor, d: torch.Tensor,
+                    q: torch.Tensor) -> bool:
+    """Fill the blocks not yet ``found`` with a Q4_K sub-block grid (``q4_1_grid``): ``m = -M`` and ``D`` of at most
+    17 significant bits. Most sub-blocks hold a weight of level 0 (their minimum is ``-M``) and one of level 15 or
+    a little less (``D`` is about the span over that level); in the rest (64 of Gemma 3 270M's 737,280) the
+    lowest level is 1-3, and ``M`` is searched near ``D * level - minimum`` too. Returns whether every block has
+    its grid; gives up at once on weights whose block minima are not 17-bit numbers (no k-quant file made them)."""
+    rows = (~found).squeeze(-1).nonzero().squeeze(-1)
+    minima = m[rows]
+    if ((minima.view(torch.int32) & _BELOW_17_BITS) != 0).float().mean() > 0.05:
+        return False
+    tried = rows.numel()
+    for top in range(15, 0, -1):  # the level of the block's largest weight
+        if rows.numel() == 0:
+            return True
+        estimate = span[rows] / top
+        for step in (0, 1, -1, 2, -2):
+            _try_affine(blocks, _round_17_bits(estimate, step).clamp_min(0), minima, found, d, q, rows)
+        keep = ~found[rows].squeeze(-1)
+        rows, minima = rows[keep], m[rows[keep]]
+        if top == TOP_CHECK and rows.numel() > tried * KQ_LEFT_AT_CHECK:
+            return False  # not a k-quant grid (another grid of float16 steps, say Q5_0): no long search
+    for low in (1, 2, 3):  # no weight of level 0: the minimum is D * low - M
+        for top in range(15, low, -1):
+            if rows.numel() == 0:
+                return True
+            for step in (0, 1, -1, 2, -2):
+                scale = _round_17_bits(span[rows] / (top - low), step).clamp_min(0)
+                for shift in (0, 1, -1):
+                    offset = _round_17_bits(m[rows] - scale * low, shift)
+                    hit = _try_affine(blocks, scale, offset, found, d, q, rows)
+                    m[rows[hit]] = offset[hit]
+            keep = ~found[rows].squeeze(-1)
+            rows = rows[keep]
+    return rows.numel() == 0
 
 
 def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(d, q)`` such that ``d * q`` in float32 is ``weight`` bit for bit (``d``: float16 values, one per 32
-    consecutive inputs, ``[out, in / 32]``; ``q``: integers -127..127, ``[out, in]``), or ``None``. ``d`` is the
-    block's largest magnitude over 127, as llama.cpp's Q8_0 makes it."""
+    """``(d, q)`` such that ``d * q`` in float32 is ``weight`` bit for bit (``d``: float32, one per 32 consecutive
+    inputs, ``[out, in / 32]``; ``q``: integers -127..127, ``[out, in]``), or ``None``. The symmetric block grids of
+    GGUF files all have this form: Q8_0 (``d`` the block's largest magnitude over 127), Q5_0 (levels -16..15, ``d``
+    that magnitude over 16) and Q4_0 (-8..7, over 8); ``d`` is float16 in each, the products exact."""
     out_features, in_features = weight.shape
     if in_features % GRID_BLOCK or weight.numel() == 0:
         return None
-    blocks = weight.reshape(out_features, in_features // GRID_BLOCK, GRID_BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    if not torch.isfinite(d).all() or not torch.equal(d.half().float(), d):
+    blocks = weight.reshape(-1, GRID_BLOCK)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    if not torch.isfinite(largest).all():
         return None
-    # + 0.0: a level of -0.0 would rebuild a -0.0 weight here, but it is stored as the integer 0 (+0.0 in the kernel)
-    levels = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127) + 0.0
-    if not torch.equal((d * levels).view(torch.int32), blocks.view(torch.int32)):
-        return None
-    return d.squeeze(-1), levels.reshape(out_features, in_features).to(torch.int8)
+    d, q = torch.zeros_like(largest), torch.zeros_like(blocks)
+    found = torch.zeros_like(largest, dtype=torch.bool)
+    # Q5_0 and Q4_0 scales are signed (the block's largest weight over -16 / -8): with d < 0 a level-0 weight is
+    # -0.0, and the kernel rebuilds it so only from a negative d
+    sign = torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
+    for top in (127, 16, 8):  # Q8_0, Q5_0, Q4_0
+        candidate = sign * largest / top
+        exact = torch.eq(candidate.half().float(), candidate)
+        # + 0.0: a level of -0.0 would rebuild a -0.0 weight here, but it is stored as the integer 0 (+0.0 in the kernel)
+        levels = torch.round(blocks / torch.where(candidate != 0, candidate, 1.0)).clamp(-127, 127) + 0.0
+        hit = exact & (candidate * levels).view(torch.int32).eq(blocks.view(torch.int32)).all(-1, keepdim=True) & ~found
+        d, q = torch.where(hit, candidate, d), torch.where(hit, levels, q)
+        found |= hit
+        if found.all():
+            return d.view(out_features, -1), q.reshape(out_features, in_features).to(torch.int8)
+    return None
 
 
 def _panel_rows(t: torch.Tensor, lanes: int) -> torch.Tensor:

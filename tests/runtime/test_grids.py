@@ -67,6 +67,61 @@ def test_the_grid_of_a_gguf_weight_is_found_and_rebuilds_every_bit(built, kind, 
     assert found == kind and skinny.packed_format(packed) == kind
 
 
+def q4_k_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float32 weight as a model loaded from a Q4_K GGUF file holds it (gguf-py, which transformers loads GGUF
+    files with, has no Q4_K quantizer, so the blocks are made directly): 256-input super-blocks of random d, dmin,
+    6-bit scales and mins and 4-bit levels, dequantized by gguf-py. Every sub-block's lowest level is 0-3 (real
+    files hold a 0 in nearly all), and some top out below 15."""
+    rng = np.random.default_rng(seed)
+    n = out_features * in_features // 256
+    raw = np.zeros((n, 144), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(1e-4, 1e-2, n).astype(np.float16)[:, None].view(np.uint8)  # d
+    raw[:, 2:4] = rng.uniform(1e-4, 1e-2, n).astype(np.float16)[:, None].view(np.uint8)  # dmin
+    raw[:, 4:16] = rng.integers(0, 256, (n, 12))  # 6-bit scales and mins, packed
+    levels = rng.integers(0, 16, (n, 8, 32))
+    levels[:, :, 0] = rng.integers(0, 4, (n, 8))
+    levels[:, ::3] = np.minimum(levels[:, ::3], 12)
+    for j in range(4):  # qs: 32 bytes per 64 inputs, sub-block 2j in the low nibbles, 2j + 1 in the high
+        raw[:, 16 + 32 * j:48 + 32 * j] = levels[:, 2 * j] | (levels[:, 2 * j + 1] << 4)
+    weight = gguf_quants.dequantize(raw, GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)).reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize("kind", ["q5_0", "q4_0", "q4_k"])
+def test_the_other_gguf_grids_gemma_uses_are_found_in_the_kernels_two_layouts(built, kind):
+    """Gemma 3's Q4_K_M file holds Q5_0, Q4_K, Q8_0 and Q6_K matrices. Q5_0 and Q4_0 are symmetric grids (``d *
+    level``, levels -16..15 / -8..7, ``d`` of either sign) and stream in the Q8_0 layout; Q4_K's 32-input
+    sub-blocks are ``D * q - M`` with 17-bit ``D`` and ``M`` and stream in the Q4_1 layout with float32 scales. Either
+    way every weight is rebuilt bit for bit and the outputs are the float32 panels' exactly."""
+    gen = torch.Generator().manual_seed(5)
+    if kind == "q4_k":
+        weight, layout = q4_k_weight(48, 512, seed=5), "q4_1"
+    else:
+        array = (torch.randn(48, 512, generator=gen) * 0.05).numpy()
+        kind_id = {"q5_0": GGMLQuantizationType.Q5_0, "q4_0": GGMLQuantizationType.Q4_0}[kind]
+        weight = torch.from_numpy(np.ascontiguousarray(
+            gguf_quants.dequantize(gguf_quants.quantize(array, kind_id), kind_id))).reshape(48, 512)
+        # Q4_0's levels -8..7 fit Q4_1's layout too, but not a block whose d < 0 rebuilds -0.0 weights
+        layout = "q8_0"
+    assert skinny.pack_grid(weight)[0] == layout
+    if layout == "q4_1":
+        d, m, q = skinny.q4_1_grid(weight)
+        rebuilt = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+    else:
+        d, q = skinny.q8_0_grid(weight)
+        rebuilt = d.repeat_interleave(32, 1) * q.float()
+    assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
+    found, grid = skinny.pack_grid(weight)
+    assert found == layout
+    panels = skinny.pack(weight)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        x = torch.randn(rows, 512, generator=gen)
+        assert torch.equal(skinny.linear(x, grid, 48, None, None), skinny.linear(x, panels, 48, None, None)), rows
+    off = weight.clone()
+    off[7, 100] = torch.nextafter(off[7, 100], torch.tensor(1.0))  # one bit off the grid
+    assert skinny.pack_grid(off) is None or skinny.pack_grid(off)[0] != layout
+
+
 def test_weights_off_every_grid_keep_float32_panels(built):
     gen = torch.Generator().manual_seed(1)
     plain = torch.randn(64, 96, generator=gen)
