@@ -251,6 +251,15 @@ def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, f
     return rows.numel() == 0
 
 
+def _symmetric_levels(values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The integer levels (as floats, -127..127) that ``d * level`` rounds nearest to ``values``. ``+ 0.0``: a level
+    of -0.0 would rebuild a -0.0 weight here, but it is stored as the integer 0 (+0.0 in the kernel). Where ``d``
+    is zero (a block of a zero scale holds +0.0 and -0.0, the signs of its levels), the level is +-1: ``0 * -1``
+    rebuilds a -0.0 as the file's ``0 * q`` did."""
+    levels = torch.round(values / torch.where(d != 0, d, 1.0)).clamp(-127, 127) + 0.0
+    return torch.where(d != 0, levels, torch.copysign(torch.ones_like(values), values))
+
+
 def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(d, q)`` such that ``d * q`` in float32 is ``weight`` bit for bit (``d``: float32, one per 32 consecutive
     inputs, ``[out, in / 32]``; ``q``: integers -127..127, ``[out, in]``), or ``None``. The symmetric block grids of
@@ -269,15 +278,53 @@ def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     # -0.0, and the kernel rebuilds it so only from a negative d
     sign = torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
     for top in (127, 16, 8):  # Q8_0, Q5_0, Q4_0
-        candidate = sign * largest / top
+        candidate = sign * largest / top + 0.0  # + 0.0: a zero scale is +0.0 (see _symmetric_levels)
         exact = torch.eq(candidate.half().float(), candidate)
-        # + 0.0: a level of -0.0 would rebuild a -0.0 weight here, but it is stored as the integer 0 (+0.0 in the kernel)
-        levels = torch.round(blocks / torch.where(candidate != 0, candidate, 1.0)).clamp(-127, 127) + 0.0
+        levels = _symmetric_levels(blocks, candidate)
         hit = exact & (candidate * levels).view(torch.int32).eq(blocks.view(torch.int32)).all(-1, keepdim=True) & ~found
         d, q = torch.where(hit, candidate, d), torch.where(hit, levels, q)
         found |= hit
         if found.all():
             return d.view(out_features, -1), q.reshape(out_features, in_features).to(torch.int8)
+    return None
+
+
+#: float32 mantissa bits below the 19 significant bits of a Q6_K scale (float16 x 8-bit integer)
+_BELOW_19_BITS = 0x1F
+
+
+def q6_k_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(d, q)`` such that ``d * q`` in float32 is ``weight`` bit for bit with one ``d`` per 16 consecutive inputs
+    (``[out, in / 16]``, float32) and ``q`` integers -127..127 (``[out, in]``), or ``None``: llama.cpp's Q6_K, whose
+    ``D = d * sc`` (float16 times a signed 8-bit scale: at most 19 significant bits) multiplies levels -32..31, the
+    product rounded once in float32 as the kernel rounds it. ``D`` is found near the block's largest magnitude over
+    its level (32, or a little less where the 8-bit scale rounded), signed where the block's zeros are -0.0."""
+    out_features, in_features = weight.shape
+    if in_features % GRID_BLOCK or weight.numel() == 0:
+        return None
+    blocks = weight.reshape(-1, GRID_BLOCK // 2)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    if not torch.isfinite(largest).all():
+        return None
+    sign = torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
+    d, q = torch.zeros_like(largest), torch.zeros_like(blocks)
+    found = torch.zeros_like(largest, dtype=torch.bool)
+    rows = torch.arange(blocks.shape[0])
+    for top in range(32, 15, -1):
+        estimate = sign[rows] * largest[rows] / top
+        bits = estimate.view(torch.int32)
+        for step in (0, 1, -1, 2, -2):
+            candidate = (((bits + 16) & ~_BELOW_19_BITS) + step * (_BELOW_19_BITS + 1)).view(torch.float32) + 0.0
+            values = blocks[rows]
+            levels = _symmetric_levels(values, candidate)
+            hit = (candidate * levels).view(torch.int32).eq(values.view(torch.int32)).all(-1) & ~found[rows].squeeze(-1)
+            d[rows[hit]], q[rows[hit]] = candidate[hit], levels[hit]
+            found[rows[hit]] = True
+        rows = rows[~found[rows].squeeze(-1)]
+        if rows.numel() == 0:
+            return d.view(out_features, -1), q.reshape(out_features, in_features).to(torch.int8)
+        if top == 30 and rows.numel() > blocks.shape[0] // 2:
+            return None  # not a Q6_K grid: no long search
     return None
 
 
@@ -295,11 +342,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _grid_panels(kind: str, d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor, module) -> torch.Tensor:
     """The kernel's grid layout (uint8 ``[panels, in / 32, block bytes]``) of ``d`` (and ``m``) ``[out, in / 32]``
-    (float16 values, stored as float32) and ``q`` ``[out, in]`` levels (uint8 0..15 for ``q4_1``, int8 for
-    ``q8_0``)."""
+    (``[out, in / 16]`` for ``q6_k``; stored as float32) and ``q`` ``[out, in]`` levels (uint8 0..15 for ``q4_1``,
+    int8 for ``q8_0`` and ``q6_k``)."""
     lanes = module.lanes()
     out_features, in_features = q.shape
-    d = _panel_rows(d.float(), lanes).transpose(1, 2)  # [P, nb, L]
+    if kind != "q6_k":
+        d = _panel_rows(d.float(), lanes).transpose(1, 2)  # [P, nb, L]
     if kind == "q4_1":
         m = _panel_rows(m.float(), lanes).transpose(1, 2)
         q = _panel_rows(q, lanes)  # [P, L, in]
@@ -307,6 +355,9 @@ def _grid_panels(kind: str, d: torch.Tensor, m: torch.Tensor | None, q: torch.Te
         pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, 16, L]
         packed = torch.cat([_as_bytes(d), _as_bytes(m), pairs.reshape(*pairs.shape[:2], -1)], dim=-1)
     else:
+        if kind == "q6_k":  # two scales a block: [P, L, nb, 2] -> [P, nb, 2 L] (all first halves' d, then seconds')
+            d = _panel_rows(d.float().view(out_features, -1, 2), lanes).permute(0, 2, 3, 1).reshape(
+                -(-out_features // lanes), in_features // GRID_BLOCK, 2 * lanes)
         q = _panel_rows(q, lanes).view(-1, lanes, in_features // GRID_BLOCK, GRID_BLOCK).permute(0, 2, 3, 1)
         packed = torch.cat([_as_bytes(d), _as_bytes(q).reshape(*q.shape[:2], -1)], dim=-1)
     if packed.shape[-1] != module.grid_block_bytes(kind):
@@ -315,10 +366,11 @@ def _grid_panels(kind: str, d: torch.Tensor, m: torch.Tensor | None, q: torch.Te
 
 
 def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | None:
-    """``(kind, panels)`` where ``weight`` (float32 ``[out, in]``) lies exactly on a Q4_1 or Q8_0 block grid: the
-    kernel rebuilds every float32 weight bit for bit from the 5 (Q4_1) or 8.5 (Q8_0) bits a weight it streams, so
-    ``linear`` gives the float32 panels' outputs exactly, with 5.3x / 3.6x less memory traffic. ``None`` where the
-    weight is on neither grid (pack it with ``pack``). ``module``: another build of the kernel to pack for (its
+    """``(kind, panels)`` where ``weight`` (float32 ``[out, in]``) lies exactly on a block grid of a GGUF file:
+    ``q4_1`` (Q4_1 and Q4_K files; ``q4_1_grid``), ``q8_0`` (Q8_0, Q5_0, Q4_0; ``q8_0_grid``) or ``q6_k``
+    (``q6_k_grid``). The kernel rebuilds every float32 weight bit for bit from the 6, 9 or 10 bits a weight it
+    streams, so ``linear`` gives the float32 panels' outputs exactly, with 5.3x / 3.6x / 3.2x less memory traffic.
+    ``None`` where the weight is on none of them (pack it with ``pack``). ``module``: another build of the kernel to pack for (its
     vector width), as the tests' AVX2 build; default this machine's."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.dim() != 2:
@@ -329,10 +381,14 @@ def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | N
         d, m, q = grid
         return "q4_1", _grid_panels("q4_1", d, m, q, module)
     grid = q8_0_grid(weight)
+    if grid is not None:
+        d, q = grid
+        return "q8_0", _grid_panels("q8_0", d, None, q, module)
+    grid = q6_k_grid(weight)
     if grid is None:
         return None
     d, q = grid
-    return "q8_0", _grid_panels("q8_0", d, None, q, module)
+    return "q6_k", _grid_panels("q6_k", d, None, q, module)
 
 
 #: what ``quantize`` rounds a weight to (lossy: for drafters' layers only)
@@ -393,7 +449,7 @@ def packed_format(packed: torch.Tensor) -> str:
     """``float32``, ``float16``, ``q4_1`` or ``q8_0``: what a packed weight holds."""
     if packed.dtype != torch.uint8:
         return str(packed.dtype).removeprefix("torch.")
-    return "q4_1" if packed.shape[-1] == extension().grid_block_bytes("q4_1") else "q8_0"
+    return next(kind for kind in ("q4_1", "q8_0", "q6_k") if packed.shape[-1] == extension().grid_block_bytes(kind))
 
 
 _attention_dims: dict[int, bool] = {}

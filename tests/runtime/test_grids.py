@@ -87,15 +87,33 @@ def q4_k_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)).reshape(out_features, in_features)
 
 
-@pytest.mark.parametrize("kind", ["q5_0", "q4_0", "q4_k"])
+def q6_k_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """As ``q4_k_weight``, for Q6_K: 256-input super-blocks of a float16 d, sixteen signed 8-bit scales (some
+    negative, one zero) and 6-bit levels, dequantized by gguf-py (``D * (q - 32)``, D = d * scale, one rounding)."""
+    rng = np.random.default_rng(seed)
+    n = out_features * in_features // 256
+    raw = np.zeros((n, 210), dtype=np.uint8)
+    raw[:, :192] = rng.integers(0, 256, (n, 192))  # ql, qh: the levels' low 4 and high 2 bits
+    scales = rng.integers(-128, 128, (n, 16)).astype(np.int8)
+    scales[0, 3] = 0
+    raw[:, 192:208] = scales.view(np.uint8)
+    raw[:, 208:210] = rng.uniform(1e-4, 1e-2, n).astype(np.float16)[:, None].view(np.uint8)
+    weight = gguf_quants.dequantize(raw, GGMLQuantizationType.Q6_K)
+    return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)).reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize("kind", ["q5_0", "q4_0", "q4_k", "q6_k"])
 def test_the_other_gguf_grids_gemma_uses_are_found_in_the_kernels_two_layouts(built, kind):
     """Gemma 3's Q4_K_M file holds Q5_0, Q4_K, Q8_0 and Q6_K matrices. Q5_0 and Q4_0 are symmetric grids (``d *
-    level``, levels -16..15 / -8..7, ``d`` of either sign) and stream in the Q8_0 layout; Q4_K's 32-input
+    level``, levels -16..15 / -8..7, ``d`` of either sign) and stream in the Q8_0 layout; Q6_K (a 19-bit ``D`` per
+    16 inputs, levels -32..31, the product rounded once) in a layout of its own; Q4_K's 32-input
     sub-blocks are ``D * q - M`` with 17-bit ``D`` and ``M`` and stream in the Q4_1 layout with float32 scales. Either
     way every weight is rebuilt bit for bit and the outputs are the float32 panels' exactly."""
     gen = torch.Generator().manual_seed(5)
     if kind == "q4_k":
         weight, layout = q4_k_weight(48, 512, seed=5), "q4_1"
+    elif kind == "q6_k":
+        weight, layout = q6_k_weight(48, 512, seed=5), "q6_k"
     else:
         array = (torch.randn(48, 512, generator=gen) * 0.05).numpy()
         kind_id = {"q5_0": GGMLQuantizationType.Q5_0, "q4_0": GGMLQuantizationType.Q4_0}[kind]
@@ -107,6 +125,9 @@ def test_the_other_gguf_grids_gemma_uses_are_found_in_the_kernels_two_layouts(bu
     if layout == "q4_1":
         d, m, q = skinny.q4_1_grid(weight)
         rebuilt = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+    elif layout == "q6_k":
+        d, q = skinny.q6_k_grid(weight)
+        rebuilt = d.repeat_interleave(16, 1) * q.float()
     else:
         d, q = skinny.q8_0_grid(weight)
         rebuilt = d.repeat_interleave(32, 1) * q.float()
@@ -135,11 +156,21 @@ def test_weights_off_every_grid_keep_float32_panels(built):
         assert skinny.pack_grid(off) is None or skinny.pack_grid(off)[0] != kind, kind
     with_zeros = plain.clone()
     with_zeros[0, :32] = 0.0  # a block of zeros is on every grid (d = 0)
-    for kind in KINDS:  # a negative zero where the grid rebuilds +0.0: equal as floats, not as bits
+    for kind in KINDS:  # a negative zero in a block of zeros: equal to +0.0 as a float, not as bits
         signed = through_gguf(with_zeros, kind)
         assert skinny.pack_grid(signed)[0] == kind
         signed[0, 5] = -0.0
-        assert skinny.pack_grid(signed) is None or skinny.pack_grid(signed)[0] != kind, kind
+        found = skinny.pack_grid(signed)
+        if kind == "q4_1":  # d * q + m rebuilds +0.0 there
+            assert found is None or found[0] != kind
+        else:  # a zero scale's levels carry the signs (0 * -1 is -0.0, as a file's 0 * q was)
+            assert found[0] == kind
+            d, q = skinny.q8_0_grid(signed)
+            rebuilt = d.repeat_interleave(32, 1) * q.float()
+            assert torch.equal(rebuilt.view(torch.int32), signed.view(torch.int32))
+            x = torch.randn(3, 96, generator=gen)
+            panels = skinny.pack(signed)
+            assert torch.equal(skinny.linear(x, found[1], 64, None, None), skinny.linear(x, panels, 64, None, None))
     assert skinny.pack_grid(torch.randn(16, 40, generator=gen)) is None  # inputs not a multiple of 32
     assert skinny.pack_grid(through_gguf(plain, "q4_1").double()) is None
 
@@ -172,9 +203,11 @@ def test_the_grid_tiles_of_the_other_vector_width_are_bitwise_too(built):
         module = skinny.compile_extension("selfspec_skinny_linear_avx2", skinny.SOURCE, flags, directory)
     assert module.lanes() == 8
     gen = torch.Generator().manual_seed(3)
-    for kind in KINDS:
-        for out_features, in_features in ((16, 32), (37, 96), (130, 64)):
-            weight = through_gguf(torch.randn(out_features, in_features, generator=gen) * 0.1, kind)
+    made = {"q4_1": lambda o, i: q4_k_weight(o, i, seed=o), "q6_k": lambda o, i: q6_k_weight(o, i, seed=o)}
+    for kind, make in [*((k, None) for k in KINDS), *made.items()]:
+        for out_features, in_features in ((16, 256), (37, 256), (130, 512)) if make else ((16, 32), (37, 96), (130, 64)):
+            weight = make(out_features, in_features) if make else through_gguf(
+                torch.randn(out_features, in_features, generator=gen) * 0.1, kind)
             found, grid = skinny.pack_grid(weight, module)
             panels = module.pack(weight, False)
             assert found == kind

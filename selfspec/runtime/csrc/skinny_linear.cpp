@@ -199,9 +199,12 @@ void dispatch(const float* x, int64_t n, int64_t K, const W* packed, float* out,
 // Layout: uint8 [ceil(M / L)][K / 32][block bytes]; a block is 32 inputs of one panel of L outputs:
 //   Q4_1: d (L floats), m (L floats), then 16 x L bytes, byte j * L + i = q[2j][i] | q[2j + 1][i] << 4   (24 L bytes)
 //   Q8_0: d (L floats), then 32 x L int8, byte k * L + i = q[k][i]                                         (36 L bytes)
+//   Q6_K: d of inputs 0-15 (L floats), d of inputs 16-31 (L floats), then 32 x L int8 as Q8_0's              (40 L bytes)
+// (the layouts are named by the GGUF type they were made for, and hold others: Q4_1 also Q4_K's 32-input sub-blocks
+// with float32 D and M; Q8_0 also Q5_0 and Q4_0; Q6_K is weight = D * q with one D per 16 inputs, any int8 q)
 
 constexpr int64_t kGridBlock = 32;
-constexpr int64_t kQ41Bytes = 24 * kLanes, kQ80Bytes = 36 * kLanes;
+constexpr int64_t kQ41Bytes = 24 * kLanes, kQ80Bytes = 36 * kLanes, kQ6KBytes = 40 * kLanes;
 typedef int qivec __attribute__((vector_size(kLanes * 4)));
 
 // kLanes bytes -> kLanes int32, zero- or sign-extended: one instruction where the ISA has it.
@@ -246,6 +249,18 @@ struct Q80 {
   static inline void pair(const uint8_t* block, int j, vec d, vec, vec& w0, vec& w1) {
     w0 = __builtin_convertvector(widen_s8(block + 4 * kLanes + 2 * j * kLanes), vec) * d;
     w1 = __builtin_convertvector(widen_s8(block + 4 * kLanes + (2 * j + 1) * kLanes), vec) * d;
+  }
+};
+
+// Two scales a block, one per 16 inputs, loaded where Q4_1 keeps its minimum (the `m` argument): inputs 2j and
+// 2j + 1 share the first for j < 8 and the second after. One multiply a weight, as Q8_0.
+struct Q6K {
+  static constexpr int64_t bytes = kQ6KBytes;
+  static constexpr bool has_min = true;
+  static inline void pair(const uint8_t* block, int j, vec d, vec d_high, vec& w0, vec& w1) {
+    const vec scale = j < 8 ? d : d_high;
+    w0 = __builtin_convertvector(widen_s8(block + 8 * kLanes + 2 * j * kLanes), vec) * scale;
+    w1 = __builtin_convertvector(widen_s8(block + 8 * kLanes + (2 * j + 1) * kLanes), vec) * scale;
   }
 };
 
@@ -377,8 +392,8 @@ torch::Tensor pack(const torch::Tensor& weight, bool half) {
 }
 
 int64_t grid_block_bytes(const std::string& kind) {
-  TORCH_CHECK(kind == "q4_1" || kind == "q8_0", "skinny grid: kind q4_1 or q8_0, got ", kind);
-  return kind == "q4_1" ? kQ41Bytes : kQ80Bytes;
+  TORCH_CHECK(kind == "q4_1" || kind == "q8_0" || kind == "q6_k", "skinny grid: kind q4_1, q8_0 or q6_k, got ", kind);
+  return kind == "q4_1" ? kQ41Bytes : kind == "q8_0" ? kQ80Bytes : kQ6KBytes;
 }
 
 // rows [n, K] @ W^T (+ bias) (+ residual [n, M], added last: residual + (x W^T + b), what `h + linear(x)` computes)
@@ -390,7 +405,7 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   if (grid) {
     const int64_t K = input.size(1);
     TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K % kGridBlock == 0 && packed.size(1) * kGridBlock == K &&
-                    (packed.size(2) == kQ41Bytes || packed.size(2) == kQ80Bytes) &&
+                    (packed.size(2) == kQ41Bytes || packed.size(2) == kQ80Bytes || packed.size(2) == kQ6KBytes) &&
                     packed.size(0) * kLanes >= out_features,
                 "skinny_linear.linear: grid-packed weight ", packed.sizes(), " does not fit rows ", input.sizes(),
                 " and ", out_features, " outputs");
@@ -427,6 +442,10 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
     const uint8_t* pp = packed.data_ptr<uint8_t>();
     at::parallel_for(0, blocks, grain,
                      [&](int64_t begin, int64_t end) { grid_dispatch<Q41>(xp, n, K, pp, op, M, bp, rp, begin, end); });
+  } else if (grid && packed.size(2) == kQ6KBytes) {
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, grain,
+                     [&](int64_t begin, int64_t end) { grid_dispatch<Q6K>(xp, n, K, pp, op, M, bp, rp, begin, end); });
   } else if (grid) {
     const uint8_t* pp = packed.data_ptr<uint8_t>();
     at::parallel_for(0, blocks, grain,
@@ -1178,7 +1197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "rows [n, K] x packed panels -> [n, out_features] (+ bias) (+ residual)",
         py::arg("input"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
-  m.def("grid_block_bytes", &grid_block_bytes, "bytes of one 32-input block of a panel in grid format q4_1 or q8_0");
+  m.def("grid_block_bytes", &grid_block_bytes, "bytes of one 32-input block of a panel in grid format q4_1, q8_0 or q6_k");
   m.def("fma_peak_gflops", &fma_peak_gflops, "float32 multiply-add rate of this build's vectors on torch's threads");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row: weight * x * rsqrt(mean(x^2) + eps)");
   m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on rows [n, heads * head_dim]");
