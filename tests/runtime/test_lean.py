@@ -272,3 +272,62 @@ def test_a_qwen2_decoder_with_sliding_window_layers_keeps_the_per_layer_path():
     set_linear_backend(model, "skinny")
     assert_random_trees_decode_losslessly(model)
     assert stack_calls(model) == 0
+
+
+def tiny_gemma3(head_dim: int, window: int) -> torch.nn.Module:
+    """A tiny random Gemma 3 text model: sliding-window and full layers, per-head q/k norms, norms with random weights
+    (Gemma's ``1 + w``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=16,
+        tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None  # random weights: no early end to either side's decoding
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the attention kernel too
+def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_dim):
+    """Gemma 3's layers (four norms of ``1 + w``, per-head q/k norms, tanh GELU, sliding-window layers) take their
+    own lean forward on the skinny backend: the layer's result up to float rounding, every decode path lossless."""
+    from decoding import generate
+    from selfspec.runtime.lean import _LeanGemma3Forward
+
+    ids = torch.randint(0, 96, (1, 13), generator=torch.Generator().manual_seed(2))
+    for window in (6, 64):  # 6: the sliding layers' mask cuts the 13-token prompt
+        model = tiny_gemma3(head_dim, window)
+        with torch.inference_mode():
+            stock = model(ids, output_hidden_states=True)
+            set_linear_backend(model, "skinny")
+            assert all(isinstance(layer.__dict__.get("forward"), _LeanGemma3Forward) for layer in model.model.layers)
+            lean = model(ids, output_hidden_states=True)  # a prefill of 13 rows: lean too (up to skinny.MAX_ROWS)
+        assert lean_calls(model) == 4
+        torch.testing.assert_close(lean.logits, stock.logits, rtol=1e-4, atol=1e-4)
+        for a, b in zip(lean.hidden_states, stock.hidden_states):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # decoding within the window (tree verification past a sliding window is refused: selfspec.runtime.cache)
+    assert_random_trees_decode_losslessly(model)
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11)]
+    drafters = [RandomDrafter(96, size=5, seed=r, hit_rate=0.6,
+                              reference=model.generate(p, max_new_tokens=30, do_sample=False, min_new_tokens=30))
+                for r, p in enumerate(prompts)]
+    for prompt, drafter in zip(prompts, drafters):  # one at a time: sliding-window caches do not batch (ValueError)
+        row = generate(model, drafter, prompt, max_new_tokens=12, eos_token_id=None).sequences
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert row.tolist() == expected.tolist()
+    with torch.no_grad():  # a norm weight changed: its 1 + w follows
+        model.model.layers[0].post_feedforward_layernorm.weight.add_(0.5)
+        set_linear_backend(model, "stock")
+        changed = model(ids).logits
+        set_linear_backend(model, "skinny")
+        torch.testing.assert_close(model(ids).logits, changed, rtol=1e-4, atol=1e-4)
