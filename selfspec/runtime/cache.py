@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 def grown_buffers(held: tuple[torch.Tensor, torch.Tensor] | None, needed: int, keys: torch.Tensor,
@@ -85,13 +85,27 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
 
+def sliding_layer_types(model) -> bool:
+    """Whether ``model``'s decoder mixes sliding-window layers in by layer type (``config.layer_types``: Gemma 3,
+    Qwen2 with ``use_sliding_window``), so that its forward takes one mask per layer type (``{"full_attention": ...,
+    "sliding_attention": ...}``). Their caches keep every entry (``new_cache``) and tree verification masks the
+    window itself (``decoding.generate.verify_forward``)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(config, "sliding_window", None)) and "sliding_attention" in (
+        getattr(config, "layer_types", None) or ())
+
+
 def new_cache(model, capacity: int = 0) -> DynamicCache:
-    """A ``DynamicCache`` for ``model`` whose full-attention layers are ``BufferedLayer`` (sliding-window and other
-    special layers stay transformers' own). ``capacity``: entries to preallocate per layer (prompt + new tokens +
-    the largest tree), so that decoding never reallocates."""
+    """A ``DynamicCache`` for ``model`` whose full-attention layers are ``BufferedLayer``; so are the sliding-window
+    layers of a model that masks by layer type (``sliding_layer_types``): they keep entries past the window, which
+    the masks exclude, so that a verified tree can be rolled back anywhere. Other special layers stay transformers'
+    own. ``capacity``: entries to preallocate per layer (prompt + new tokens + the largest tree), so that decoding
+    never reallocates."""
     cache = DynamicCache(config=model.config)
+    buffered = (DynamicLayer, DynamicSlidingWindowLayer) if sliding_layer_types(model) else (DynamicLayer,)
     if cache.layers:
-        cache.layers = [BufferedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        cache.layers = [BufferedLayer(capacity) if type(layer) in buffered else layer for layer in cache.layers]
     else:  # no config-derived layers: replicate buffered layers lazily
         cache.layer_class_to_replicate = lambda: BufferedLayer(capacity)
     return cache

@@ -79,3 +79,25 @@ def tiny_model_and_tokenizer(arch: str, dtype: torch.dtype = torch.float32):
     with torch.no_grad():
         model.get_output_embeddings().weight[tokenizer.all_special_ids] = 0
     return model, tokenizer
+
+
+def tiny_gemma3(head_dim: int = 16, window: int = 6) -> torch.nn.Module:
+    """A tiny random Gemma 3 text model (``Gemma3ForCausalLM``): sliding-window layers (``window`` positions) between
+    full ones, per-head q/k norms, norms with random weights (Gemma's ``1 + w``), no end token. Not in
+    ``TINY_CONFIGS``: the decode paths it needs (sliding windows past their length) are tested on it directly."""
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=16,
+        tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+        model.get_output_embeddings().weight.mul_(8.0)
+    # random weights: no early end to either side's decoding, and no padding id (HF generate would mask a prompt's
+    # token 0, the config's default pad id)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model.eval()

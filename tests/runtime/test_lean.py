@@ -11,6 +11,7 @@ from decoding.batch import generate_batch
 from selfspec.runtime import skinny
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.lean import supported
+from selfspec.runtime.tiny import tiny_gemma3
 from selfspec.testing import RandomDrafter, assert_random_trees_decode_losslessly, tiny_model
 
 pytestmark = pytest.mark.xdist_group("skinny")
@@ -274,28 +275,6 @@ def test_a_qwen2_decoder_with_sliding_window_layers_keeps_the_per_layer_path():
     assert stack_calls(model) == 0
 
 
-def tiny_gemma3(head_dim: int, window: int) -> torch.nn.Module:
-    """A tiny random Gemma 3 text model: sliding-window and full layers, per-head q/k norms, norms with random weights
-    (Gemma's ``1 + w``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
-        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=16,
-        tie_word_embeddings=False)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(0.0, 0.3)
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.generation_config.eos_token_id = None  # random weights: no early end to either side's decoding
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the attention kernel too
 def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_dim):
     """Gemma 3's layers (four norms of ``1 + w``, per-head q/k norms, tanh GELU, sliding-window layers) take their
@@ -304,7 +283,7 @@ def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_di
     from selfspec.runtime.lean import _LeanGemma3Forward
 
     ids = torch.randint(0, 96, (1, 13), generator=torch.Generator().manual_seed(2))
-    for window in (6, 64):  # 6: the sliding layers' mask cuts the 13-token prompt
+    for window in (64, 6):  # 6: the sliding layers' mask cuts the 13-token prompt, and decoding runs past it
         model = tiny_gemma3(head_dim, window)
         with torch.inference_mode():
             stock = model(ids, output_hidden_states=True)
@@ -315,7 +294,8 @@ def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_di
         torch.testing.assert_close(lean.logits, stock.logits, rtol=1e-4, atol=1e-4)
         for a, b in zip(lean.hidden_states, stock.hidden_states):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # decoding within the window (tree verification past a sliding window is refused: selfspec.runtime.cache)
+    # past the window: the sliding layers keep every entry and each tree row's mask drops what its position
+    # no longer sees (decoding.generate._per_layer_type); HF's own sliding cache decodes the reference
     assert_random_trees_decode_losslessly(model)
     prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11)]
     drafters = [RandomDrafter(96, size=5, seed=r, hit_rate=0.6,
