@@ -333,3 +333,33 @@ def test_gemma3_alias_converts_and_equals_the_gguf(tmp_path):
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         assert (model(ids).logits - gguf_model.eval()(ids).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.xdist_group("real_model")
+@pytest.mark.skipif(os.environ.get("SELFSPEC_TEST_GEMMA") != "1",
+                    reason="downloads 240 MB and converts for minutes; set SELFSPEC_TEST_GEMMA=1")
+def test_gemma3_streams_its_grids_runs_lean_and_decodes_past_its_window_losslessly():
+    """The real Gemma 3 270M on the skinny backend: every linear on the exact grid of its GGUF type, every layer on
+    the lean forward, and prompt lookup verifying trees past the 512-token sliding window equal to stock `generate`
+    on transformers' own sliding cache."""
+    from decoding import generate
+    from lookup import LookupDrafter
+    from selfspec.runtime.kernels import packed_formats, set_linear_backend
+    from selfspec.runtime.lean import _LeanGemma3Forward
+
+    model, tokenizer = M.load_model("gemma3-270m")
+    window = model.config.sliding_window
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat".split()
+    text = " ".join(words[i % len(words)] for i in range(window + 40))  # repetitive: lookup drafts deep trees
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : window - 8]
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=48, do_sample=False)  # stock kernels and cache
+        set_linear_backend(model, "skinny")
+        model(ids[:, :4])  # pack every linear
+        assert set(packed_formats(model)) == {"q4_1", "q8_0", "q6_k"}
+        assert all(isinstance(layer.__dict__.get("forward"), _LeanGemma3Forward) for layer in model.model.layers)
+        out = generate(model, LookupDrafter(), ids, max_new_tokens=48, eos_token_id=model.generation_config.eos_token_id)
+    assert out.sequences.shape[1] > window and out.stats.tau > 1.5
+    assert out.sequences.tolist() == expected.tolist()
