@@ -119,7 +119,7 @@ def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
     for layer in layers:
         if enabled:
             layer.forward = layer.__dict__.setdefault(_LEAN, kind(layer))
-        elif isinstance(layer.__dict__.get("forward"), (_LeanForward, _LeanGemma3Forward)):
+        elif isinstance(layer.__dict__.get("forward"), _LeanLayer):
             del layer.forward
     decoder = model.get_decoder() if layers else None
     if decoder is not None and getattr(model.config, "model_type", None) in STACK_MODEL_TYPES:
@@ -271,34 +271,51 @@ def _rows_of(position_embeddings: tuple[torch.Tensor, torch.Tensor], head_dim: i
     return _ROWS_OF[1]
 
 
-class _LeanForward:
-    """A decoder layer's ``forward`` (see the module docstring); ``calls`` counts the calls it took itself."""
+class _LeanLayer:
+    """What the lean forwards of every architecture share: the layer, a count of the calls they took themselves
+    (``calls``), the class's own forward for the rest, and the check that a call can run lean."""
 
     def __init__(self, layer: nn.Module):
         self.layer = layer
         self.calls = 0
-        self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
         self.skinny_linear = _skinny_linear_class()  # resolved once, not on every layer call
         self._interface = InterfaceLookup()
 
     def _fallback(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
 
-    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
-                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
-        layer = self.layer
+    def _takes(self, hidden_states: torch.Tensor, position_embeddings, kwargs: dict) -> tuple | None:
+        """``(kernels, attention interface, rows)`` where a lean pass takes this call; None for eager attention,
+        partial rotary, attentions asked for, anything ``layer_kernels`` refuses (the class's forward runs)."""
         shape = hidden_states.shape
         rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
-        kernels = layer_kernels(layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
-        attn = layer.self_attn
+        kernels = layer_kernels(self.layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
+        attn = self.layer.self_attn
         interface = self._interface(attn) if kernels is not None else None
         if (kernels is None or interface is None or position_embeddings is None or kwargs.get("output_attentions")
                 or position_embeddings[0].shape[-1] != attn.head_dim):
-            # eager attention, partial rotary, anything a lean pass does not take: the layer class's own forward
+            return None
+        self.calls += 1
+        return kernels, interface, rows
+
+
+class _LeanForward(_LeanLayer):
+    """A decoder layer's ``forward`` (see the module docstring); ``calls`` counts the calls it took itself."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
+        self.passes_window = getattr(layer.self_attn.config, "model_type", None) in ("mistral", "qwen2")
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        taken = self._takes(hidden_states, position_embeddings, kwargs)
+        if taken is None:
             return self._fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        self.calls += 1
+        kernels, interface, rows = taken
+        layer, shape = self.layer, hidden_states.shape
+        attn = layer.self_attn
         batch, n, hidden = shape
         cache_kwargs = kwargs
         if self.passes_window:  # as Mistral's and Qwen2's attention pass it (only flash attention reads it)
@@ -333,7 +350,7 @@ class _LeanForward:
                            kwargs=kwargs)
 
 
-class _LeanGemma3Forward:
+class _LeanGemma3Forward(_LeanLayer):
     """A Gemma 3 decoder layer's ``forward`` on the skinny extension: its seven linears straight on their packed
     weights, its six RMSNorms (input, post-attention, pre- and post-feedforward, and per head on queries and keys)
     as one ``skinny.rms_norm`` pass each over ``1 + weight`` (what Gemma's norm multiplies by, kept until the weight
@@ -343,17 +360,11 @@ class _LeanGemma3Forward:
     computed on its own, as in ``_LeanForward``; what it does not take goes to the class's forward."""
 
     def __init__(self, layer: nn.Module):
-        self.layer = layer
-        self.calls = 0
-        self.skinny_linear = _skinny_linear_class()
-        self._interface = InterfaceLookup()
+        super().__init__(layer)
         attn = layer.self_attn
         self._norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
                        layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
         self._scales: list = [None] * len(self._norms)  # per norm: (its weight, its version, 1 + weight)
-
-    def _fallback(self, *args, **kwargs):
-        return type(self.layer).forward(self.layer, *args, **kwargs)
 
     def _scale(self, i: int) -> torch.Tensor:
         weight = self._norms[i]._parameters["weight"]
@@ -365,17 +376,12 @@ class _LeanGemma3Forward:
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, cache=None,
                  **kwargs):
-        layer = self.layer
-        shape = hidden_states.shape
-        rows = shape[0] * shape[1] if hidden_states.dim() == 3 else 0
-        kernels = layer_kernels(layer, rows, hidden_states.dtype, hidden_states.device, self.skinny_linear)
-        attn = layer.self_attn
-        interface = self._interface(attn) if kernels is not None else None
-        if (kernels is None or interface is None or position_embeddings is None or kwargs.get("output_attentions")
-                or position_embeddings[0].shape[-1] != attn.head_dim):
+        taken = self._takes(hidden_states, position_embeddings, kwargs)
+        if taken is None:
             return self._fallback(hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
-        self.calls += 1
+        kernels, interface, rows = taken
+        shape, attn = hidden_states.shape, self.layer.self_attn
         batch, n, hidden = shape
         d = attn.head_dim
         eps = [norm.eps for norm in self._norms]

@@ -45,6 +45,24 @@ def step_outputs(model, ids: torch.Tensor, tree, capacity: int, chain: bool = Fa
     return outs
 
 
+def assert_drafted_rows_equal_generate(model, batched: bool) -> None:
+    """Two prompts (3 and 11 tokens) decoded with random drafts, as one ragged batch or one at a time, equal
+    ``model.generate``'s greedy rows."""
+    from decoding import generate
+
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11)]
+    drafters = [RandomDrafter(96, size=5, seed=r, hit_rate=0.6,
+                              reference=model.generate(p, max_new_tokens=30, do_sample=False, min_new_tokens=30))
+                for r, p in enumerate(prompts)]
+    if batched:
+        rows = generate_batch(model, drafters, prompts, max_new_tokens=12, eos_token_id=None).sequences
+    else:
+        rows = [generate(model, d, p, max_new_tokens=12, eos_token_id=None).sequences for p, d in zip(prompts, drafters)]
+    for prompt, row in zip(prompts, rows):
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert row.reshape(-1).tolist() == expected.reshape(-1).tolist()
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases, sliding-window kwargs
 @pytest.mark.parametrize("head_dim", [None, 64])  # 64: the attention kernel too
 def test_lean_layers_compute_the_layers_and_decode_losslessly(arch, head_dim):
@@ -59,14 +77,7 @@ def test_lean_layers_compute_the_layers_and_decode_losslessly(arch, head_dim):
     for a, b in zip(lean.hidden_states, stock.hidden_states):  # what the feature drafter reads
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert_random_trees_decode_losslessly(model)
-    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11)]
-    drafters = [RandomDrafter(96, size=5, seed=r, hit_rate=0.6,
-                              reference=model.generate(p, max_new_tokens=30, do_sample=False, min_new_tokens=30))
-                for r, p in enumerate(prompts)]
-    out = generate_batch(model, drafters, prompts, max_new_tokens=12, eos_token_id=None)
-    for prompt, row in zip(prompts, out.sequences):
-        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert row.tolist() == expected.tolist()
+    assert_drafted_rows_equal_generate(model, batched=True)
 
 
 def test_what_the_lean_forward_does_not_take_goes_to_the_layer_class():
@@ -279,7 +290,6 @@ def test_a_qwen2_decoder_with_sliding_window_layers_keeps_the_per_layer_path():
 def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_dim):
     """Gemma 3's layers (four norms of ``1 + w``, per-head q/k norms, tanh GELU, sliding-window layers) take their
     own lean forward on the skinny backend: the layer's result up to float rounding, every decode path lossless."""
-    from decoding import generate
     from selfspec.runtime.lean import _LeanGemma3Forward
 
     ids = torch.randint(0, 96, (1, 13), generator=torch.Generator().manual_seed(2))
@@ -297,14 +307,7 @@ def test_gemma3_layers_run_lean_compute_the_layers_and_decode_losslessly(head_di
     # past the window: the sliding layers keep every entry and each tree row's mask drops what its position
     # no longer sees (decoding.generate._per_layer_type); HF's own sliding cache decodes the reference
     assert_random_trees_decode_losslessly(model)
-    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11)]
-    drafters = [RandomDrafter(96, size=5, seed=r, hit_rate=0.6,
-                              reference=model.generate(p, max_new_tokens=30, do_sample=False, min_new_tokens=30))
-                for r, p in enumerate(prompts)]
-    for prompt, drafter in zip(prompts, drafters):  # one at a time: sliding-window caches do not batch (ValueError)
-        row = generate(model, drafter, prompt, max_new_tokens=12, eos_token_id=None).sequences
-        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert row.tolist() == expected.tolist()
+    assert_drafted_rows_equal_generate(model, batched=False)  # sliding-window caches do not batch (ValueError)
     with torch.no_grad():  # a norm weight changed: its 1 + w follows
         model.model.layers[0].post_feedforward_layernorm.weight.add_(0.5)
         set_linear_backend(model, "stock")
