@@ -7,6 +7,9 @@ One function serves every drafter. It works on transformers' ``DynamicCache`` la
 preallocated buffers (``BufferedLayer``) instead of concatenating. Stock ``DynamicLayer.update`` copies the whole
 cache on every forward (``torch.cat``): on the 2-core development CPU that was 20% of a SmolLM2 decode step at a
 300-token context. Here an update is one slice copy of the new entries, and rollback only moves a view's end.
+The sliding-window layers of a decoder that masks by layer type (Gemma 3, Qwen2 with ``use_sliding_window``) are
+buffered too and keep every entry, so that a tree verified past the window can be rolled back; the masks
+exclude what the window does not see (``sliding_layer_types``; ``decoding.generate.verify_forward``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A lean decoder-layer forward for Llama-family models on the skinny backend.
+"""A lean decoder-layer forward for Llama-family models (and Gemma 3) on the skinny backend.
 
 On a 2-core CPU a decode step of SmolLM2 spent ~4 ms of ~17 between its kernels: twelve module calls a layer, the
 linear wrappers' per-call checks, and ~25 small tensor ops (RMSNorm alone is seven on the CPU, rotary five a
@@ -28,7 +28,8 @@ to 7.3-7.5. The embedding, mask, rotary embedding and final norm stay the model'
 cache entries are bitwise the per-layer path's (tested). ``FUSED_STACK = False`` turns it off.
 
 Supported: ``llama``, ``mistral`` and ``qwen2`` decoder layers with SiLU MLPs (the layer structure is checked too),
-with transformers 5.25 or later (``MIN_TRANSFORMERS``).
+and Gemma 3's text layers with a forward of their own (``_LeanGemma3Forward``: six ``1 + w`` norms, per-head q/k
+norms, tanh GELU; per layer, no one-call path), with transformers 5.25 or later (``MIN_TRANSFORMERS``).
 """
 
 from __future__ import annotations
