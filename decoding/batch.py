@@ -156,7 +156,7 @@ def generate_batch(
     for r, p in enumerate(rows_in):
         ids[r, :p.numel()], mask2d[r, :p.numel()] = p, 1
     cache = kv.new_cache(model, capacity=width + max_new_tokens + _TREE_SLACK)
-    if kv.sliding_layer_types(model) or any(not isinstance(layer, kv.BufferedLayer)
+    if kv.sliding_window_by_layer_type(model) or any(not isinstance(layer, kv.BufferedLayer)
                                             for layer in getattr(cache, "layers", [])):
         raise ValueError(f"{type(model).__name__} has sliding-window (or other special) cache layers, which a "
                          "ragged batch cannot share: decode its prompts one at a time (batch size 1)")

@@ -118,19 +118,18 @@ def verify_forward(model, cache, root: int, tree: DraftTree, *, output_hidden_st
     step_ids = torch.cat([torch.tensor([root]), tree.tokens.cpu()]).unsqueeze(0).to(device)
     positions = (prefix_length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])).unsqueeze(0).to(device)
     mask = None if len(tree) == 0 else tree_attention_mask(tree, prefix_length, model.dtype, device)
-    if mask is not None and kv.sliding_layer_types(model):
-        mask = _per_layer_type(model, mask, positions[0], prefix_length)
+    window = kv.sliding_window_by_layer_type(model)
+    if mask is not None and window:
+        mask = _per_layer_type(mask, positions[0], prefix_length, window)
     return model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                  output_hidden_states=output_hidden_states)
 
 
-def _per_layer_type(model, mask: torch.Tensor, positions: torch.Tensor, prefix_length: int) -> dict:
+def _per_layer_type(mask: torch.Tensor, positions: torch.Tensor, prefix_length: int, window: int) -> dict:
     """A tree mask as the per-layer-type mapping a decoder with sliding-window layers takes: the full-attention
     layers' is ``mask``; the sliding layers' also hides each row's prefix keys at or before its position minus the
-    window (transformers' rule: key ``j`` is seen from position ``p`` when ``j > p - window``). A node's own
+    ``window`` (transformers' rule: key ``j`` is seen from position ``p`` when ``j > p - window``). A node's own
     ancestors are never that far back: a tree is shallower than any window."""
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    window = int(config.sliding_window)
     keys = torch.arange(prefix_length, device=mask.device)
     too_old = keys[None, :] <= (positions.to(mask.device)[:, None] - window)
     sliding = mask.clone()

@@ -9,7 +9,7 @@ cache on every forward (``torch.cat``): on the 2-core development CPU that was 2
 300-token context. Here an update is one slice copy of the new entries, and rollback only moves a view's end.
 The sliding-window layers of a decoder that masks by layer type (Gemma 3, Qwen2 with ``use_sliding_window``) are
 buffered too and keep every entry, so that a tree verified past the window can be rolled back; the masks
-exclude what the window does not see (``sliding_layer_types``; ``decoding.generate.verify_forward``).
+exclude what the window does not see (``sliding_window_by_layer_type``, ``decoding.generate.verify_forward``).
 """
 
 from __future__ import annotations
@@ -88,25 +88,26 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
 
-def sliding_layer_types(model) -> bool:
-    """Whether ``model``'s decoder mixes sliding-window layers in by layer type (``config.layer_types``: Gemma 3,
-    Qwen2 with ``use_sliding_window``), so that its forward takes one mask per layer type (``{"full_attention": ...,
-    "sliding_attention": ...}``). Their caches keep every entry (``new_cache``) and tree verification masks the
-    window itself (``decoding.generate.verify_forward``)."""
+def sliding_window_by_layer_type(model) -> int | None:
+    """The window of ``model``'s sliding-window layers where its decoder mixes them in by layer type
+    (``config.layer_types``: Gemma 3, Qwen2 with ``use_sliding_window``), so that its forward takes one mask per
+    layer type (``{"full_attention": ..., "sliding_attention": ...}``); None otherwise. Their caches keep every entry
+    (``new_cache``) and tree verification masks the window itself (``decoding.generate.verify_forward``)."""
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)()
-    return bool(getattr(config, "sliding_window", None)) and "sliding_attention" in (
-        getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
 
 
 def new_cache(model, capacity: int = 0) -> DynamicCache:
     """A ``DynamicCache`` for ``model`` whose full-attention layers are ``BufferedLayer``; so are the sliding-window
-    layers of a model that masks by layer type (``sliding_layer_types``): they keep entries past the window, which
-    the masks exclude, so that a verified tree can be rolled back anywhere. Other special layers stay transformers'
-    own. ``capacity``: entries to preallocate per layer (prompt + new tokens + the largest tree), so that decoding
-    never reallocates."""
+    layers of a model that masks by layer type (``sliding_window_by_layer_type``): they keep entries past the
+    window, which the masks exclude, so that a verified tree can be rolled back anywhere. Other special layers stay
+    transformers' own. ``capacity``: entries to preallocate per layer (prompt + new tokens + the largest tree), so
+    that decoding never reallocates."""
     cache = DynamicCache(config=model.config)
-    buffered = (DynamicLayer, DynamicSlidingWindowLayer) if sliding_layer_types(model) else (DynamicLayer,)
+    sliding = sliding_window_by_layer_type(model)
+    buffered = (DynamicLayer, DynamicSlidingWindowLayer) if sliding else (DynamicLayer,)
     if cache.layers:
         cache.layers = [BufferedLayer(capacity) if type(layer) in buffered else layer for layer in cache.layers]
     else:  # no config-derived layers: replicate buffered layers lazily

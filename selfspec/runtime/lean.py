@@ -366,6 +366,7 @@ class _LeanGemma3Forward(_LeanLayer):
         self._norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
                        layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
         self._scales: list = [None] * len(self._norms)  # per norm: (its weight, its version, 1 + weight)
+        self._eps = [norm.eps for norm in self._norms]
 
     def _scale(self, i: int) -> torch.Tensor:
         weight = self._norms[i]._parameters["weight"]
@@ -374,7 +375,8 @@ class _LeanGemma3Forward(_LeanLayer):
             held = self._scales[i] = (weight, tensor_version(weight), (1.0 + weight.float()).contiguous())
         return held[2]
 
-    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def __call__(self, hidden_states: torch.Tensor,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, cache=None,
                  **kwargs):
         taken = self._takes(hidden_states, position_embeddings, kwargs)
@@ -384,13 +386,11 @@ class _LeanGemma3Forward(_LeanLayer):
         kernels, interface, rows = taken
         shape, attn = hidden_states.shape, self.layer.self_attn
         batch, n, hidden = shape
-        d = attn.head_dim
-        eps = [norm.eps for norm in self._norms]
+        d, eps = attn.head_dim, self._eps
         q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
         residual = hidden_states.reshape(rows, hidden).contiguous()
         x = skinny.rms_norm(residual, self._scale(0), eps[0])
-        cos, sin = position_embeddings
-        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        cos, sin = _rows_of(position_embeddings, d)  # per forward and layer type, not per layer
         q = skinny.rms_norm(run_kernel(q_k, x).view(-1, d), self._scale(1), eps[1]).view(rows, -1)
         k = skinny.rms_norm(run_kernel(k_k, x).view(-1, d), self._scale(2), eps[2]).view(rows, -1)
         q = skinny.rope_(q, cos, sin, d).view(batch, n, -1, d).transpose(1, 2)

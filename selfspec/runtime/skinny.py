@@ -207,11 +207,17 @@ KQ_LEFT_AT_CHECK, TOP_CHECK = 0.5, 13
 _BELOW_17_BITS = 0x7F
 
 
-def _round_17_bits(x: torch.Tensor, step: int = 0) -> torch.Tensor:
-    """``x`` (float32) rounded to 17 significant bits, then moved ``step`` units of the 17th bit."""
-    bits = x.view(torch.int32)
-    rounded = ((bits + 64) & ~_BELOW_17_BITS) + step * (_BELOW_17_BITS + 1)
-    return rounded.view(torch.float32)
+def _round_bits(x: torch.Tensor, below: int, step: int = 0) -> torch.Tensor:
+    """``x`` (float32) rounded to the significant bits above the mantissa mask ``below`` (``_BELOW_17_BITS``,
+    ``_BELOW_19_BITS``), then moved ``step`` units of the last bit kept."""
+    unit = below + 1
+    return (((x.view(torch.int32) + unit // 2) & ~below) + step * unit).view(torch.float32)
+
+
+def _zero_sign(blocks: torch.Tensor) -> torch.Tensor:
+    """Per block, -1.0 where it holds a -0.0 weight (a symmetric grid with a negative scale rebuilds its zeros so,
+    and only so), else 1.0."""
+    return torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
 
 
 def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, found: torch.Tensor, d: torch.Tensor,
@@ -219,8 +225,9 @@ def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, f
     """Fill the blocks not yet ``found`` with a Q4_K sub-block grid (``q4_1_grid``): ``m = -M`` and ``D`` of at most
     17 significant bits. Most sub-blocks hold a weight of level 0 (their minimum is ``-M``) and one of level 15 or
     a little less (``D`` is about the span over that level); in the rest (64 of Gemma 3 270M's 737,280) the
-    lowest level is 1-3, and ``M`` is searched near ``D * level - minimum`` too. Returns whether every block has
-    its grid; gives up at once on weights whose block minima are not 17-bit numbers (no k-quant file made them)."""
+    lowest level is 1-3, and ``M`` is searched near ``D * level - minimum`` too (their ``m`` is overwritten with
+    ``-M``). Returns whether every block has its grid; gives up at once on weights whose block minima are not
+    17-bit numbers (no k-quant file made them)."""
     rows = (~found).squeeze(-1).nonzero().squeeze(-1)
     minima = m[rows]
     if ((minima.view(torch.int32) & _BELOW_17_BITS) != 0).float().mean() > 0.05:
@@ -231,7 +238,7 @@ def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, f
             return True
         estimate = span[rows] / top
         for step in (0, 1, -1, 2, -2):
-            _try_affine(blocks, _round_17_bits(estimate, step).clamp_min(0), minima, found, d, q, rows)
+            _try_affine(blocks, _round_bits(estimate, _BELOW_17_BITS, step).clamp_min(0), minima, found, d, q, rows)
         keep = ~found[rows].squeeze(-1)
         rows, minima = rows[keep], m[rows[keep]]
         if top == TOP_CHECK and rows.numel() > tried * KQ_LEFT_AT_CHECK:
@@ -241,9 +248,9 @@ def _k_quant_blocks(blocks: torch.Tensor, m: torch.Tensor, span: torch.Tensor, f
             if rows.numel() == 0:
                 return True
             for step in (0, 1, -1, 2, -2):
-                scale = _round_17_bits(span[rows] / (top - low), step).clamp_min(0)
+                scale = _round_bits(span[rows] / (top - low), _BELOW_17_BITS, step).clamp_min(0)
                 for shift in (0, 1, -1):
-                    offset = _round_17_bits(m[rows] - scale * low, shift)
+                    offset = _round_bits(m[rows] - scale * low, _BELOW_17_BITS, shift)
                     hit = _try_affine(blocks, scale, offset, found, d, q, rows)
                     m[rows[hit]] = offset[hit]
             keep = ~found[rows].squeeze(-1)
@@ -274,9 +281,7 @@ def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     d, q = torch.zeros_like(largest), torch.zeros_like(blocks)
     found = torch.zeros_like(largest, dtype=torch.bool)
-    # Q5_0 and Q4_0 scales are signed (the block's largest weight over -16 / -8): with d < 0 a level-0 weight is
-    # -0.0, and the kernel rebuilds it so only from a negative d
-    sign = torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
+    sign = _zero_sign(blocks)  # Q5_0 and Q4_0 scales are signed: the block's largest weight over -16 / -8
     for top in (127, 16, 8):  # Q8_0, Q5_0, Q4_0
         candidate = sign * largest / top + 0.0  # + 0.0: a zero scale is +0.0 (see _symmetric_levels)
         exact = torch.eq(candidate.half().float(), candidate)
@@ -306,15 +311,14 @@ def q6_k_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     largest = blocks.abs().amax(-1, keepdim=True)
     if not torch.isfinite(largest).all():
         return None
-    sign = torch.where((blocks.view(torch.int32) == _NEGATIVE_ZERO).any(-1, keepdim=True), -1.0, 1.0)
+    sign = _zero_sign(blocks)
     d, q = torch.zeros_like(largest), torch.zeros_like(blocks)
     found = torch.zeros_like(largest, dtype=torch.bool)
     rows = torch.arange(blocks.shape[0])
     for top in range(32, 15, -1):
         estimate = sign[rows] * largest[rows] / top
-        bits = estimate.view(torch.int32)
         for step in (0, 1, -1, 2, -2):
-            candidate = (((bits + 16) & ~_BELOW_19_BITS) + step * (_BELOW_19_BITS + 1)).view(torch.float32) + 0.0
+            candidate = _round_bits(estimate, _BELOW_19_BITS, step) + 0.0  # + 0.0: a zero scale is +0.0
             values = blocks[rows]
             levels = _symmetric_levels(values, candidate)
             hit = (candidate * levels).view(torch.int32).eq(values.view(torch.int32)).all(-1) & ~found[rows].squeeze(-1)
@@ -370,8 +374,8 @@ def pack_grid(weight: torch.Tensor, module=None) -> tuple[str, torch.Tensor] | N
     ``q4_1`` (Q4_1 and Q4_K files; ``q4_1_grid``), ``q8_0`` (Q8_0, Q5_0, Q4_0; ``q8_0_grid``) or ``q6_k``
     (``q6_k_grid``). The kernel rebuilds every float32 weight bit for bit from the 6, 9 or 10 bits a weight it
     streams, so ``linear`` gives the float32 panels' outputs exactly, with 5.3x / 3.6x / 3.2x less memory traffic.
-    ``None`` where the weight is on none of them (pack it with ``pack``). ``module``: another build of the kernel to pack for (its
-    vector width), as the tests' AVX2 build; default this machine's."""
+    ``None`` where the weight is on none of them (pack it with ``pack``). ``module``: another build of the kernel to
+    pack for (its vector width), as the tests' AVX2 build; default this machine's."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
@@ -446,7 +450,7 @@ def pack_exact(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_format(packed: torch.Tensor) -> str:
-    """``float32``, ``float16``, ``q4_1`` or ``q8_0``: what a packed weight holds."""
+    """``float32``, ``float16``, ``q4_1``, ``q8_0`` or ``q6_k``: what a packed weight holds."""
     if packed.dtype != torch.uint8:
         return str(packed.dtype).removeprefix("torch.")
     return next(kind for kind in ("q4_1", "q8_0", "q6_k") if packed.shape[-1] == extension().grid_block_bytes(kind))

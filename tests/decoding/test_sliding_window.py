@@ -26,7 +26,7 @@ def sliding_models():
 @pytest.mark.parametrize("backend", ["stock", "skinny"])
 def test_trees_verified_past_the_sliding_window_decode_losslessly(name, backend):
     model = sliding_models()[name]
-    assert kv.sliding_layer_types(model)
+    assert kv.sliding_window_by_layer_type(model) == 5
     set_linear_backend(model, backend)
     cache = kv.new_cache(model, capacity=64)
     assert all(isinstance(layer, kv.BufferedLayer) for layer in cache.layers)  # the sliding ones keep every entry
@@ -37,9 +37,9 @@ def test_trees_verified_past_the_sliding_window_decode_losslessly(name, backend)
 
 def test_models_without_sliding_layer_types_keep_their_caches():
     llama = tiny_model("llama", dtype=torch.float32)
-    assert not kv.sliding_layer_types(llama)
+    assert not kv.sliding_window_by_layer_type(llama)
     mistral = tiny_model("mistral", dtype=torch.float32, sliding_window=16)  # one window for every layer, one mask
-    assert not kv.sliding_layer_types(mistral)
+    assert not kv.sliding_window_by_layer_type(mistral)
     assert not any(isinstance(layer, kv.BufferedLayer) for layer in kv.new_cache(mistral, 8).layers
                    if getattr(layer, "is_sliding", False))
 
