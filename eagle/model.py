@@ -21,7 +21,11 @@ than ``j + 1`` times its attention.
 The layer is the base model's own decoder-layer class built from its config, with q/k/v widened to ``2 * hidden``
 inputs; the embedding table (and, with ``share_lm_head``, the LM-head rows of the draft vocabulary) are the base's,
 read at run time and never saved. Supported: decoders whose layers have ``self_attn.{q,k,v}_proj``,
-``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen2/3, Mistral, Gemma).
+``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen2/3, Mistral, Gemma), and Gemma 3's
+"sandwich" layers, which also normalise the attention's output (``post_attention_layernorm``) and the MLP's input
+and output (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``): there the draft layer applies them as its
+class does. A base that mixes sliding-window and full layers (Gemma 3) gets a full-attention draft layer, with the
+rotary embedding of its full layers: the draft sees its whole context, as every other draft layer does.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from selfspec.runtime import lean, skinny
 from selfspec.runtime.attention import LayerCache, skinny_attention
 from selfspec.runtime.layers import decoder_layers, num_decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text")
 FORMAT = "selfspec-eagle3"
 
 
@@ -232,12 +236,16 @@ class EagleDraftModel(nn.Module):
         if bad:
             raise ValueError(f"eagle config: aux_layers {bad} out of range for a {total}-layer base (0..{total})")
         layer_config = copy.deepcopy(base_config)
+        if getattr(layer_config, "layer_types", None):
+            # one layer, attending to its whole context (a window-free layer of a base that mixes both kinds)
+            layer_config.layer_types = ["full_attention"] * len(layer_config.layer_types)
         template = decoder_layers(base_model)[0]
         self.layer = type(template)(layer_config, layer_idx=0)
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, _widen(getattr(attn, name), 2 * hidden))
         self.hidden_norm = copy.deepcopy(self.layer.input_layernorm)
+        self._sandwich = hasattr(self.layer, "pre_feedforward_layernorm")
         self.fc = nn.Linear(len(config.aux_layers) * hidden, hidden, bias=False)
         base_norm = base_model.get_decoder().norm
         self.norm = copy.deepcopy(base_norm)
@@ -256,7 +264,7 @@ class EagleDraftModel(nn.Module):
                 self.lm_head.weight.copy_(lm_head.weight[draft_vocab].to(self.lm_head.weight.dtype))
         self.requires_grad_(True)  # the norm copied from the frozen base came frozen
         # a lean decode step (selfspec.runtime.lean.block) fits a Llama-family layer with SiLU MLP and RMSNorms
-        self._lean_ok = (not hasattr(attn, "q_norm") and getattr(base_config, "hidden_act", None) == "silu"
+        self._lean_ok = (not hasattr(attn, "q_norm") and not self._sandwich and getattr(base_config, "hidden_act", None) == "silu"
                          and all(hasattr(n, "variance_epsilon") for n in (self.layer.input_layernorm, self.hidden_norm,
                                                                           self.layer.post_attention_layernorm))
                          and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
@@ -323,7 +331,7 @@ class EagleDraftModel(nn.Module):
         if interface is not None:
             position_embeddings = self._rotary_rows(hidden, position_ids)
         else:
-            position_embeddings = self.base_model.get_decoder().rotary_emb(hidden, position_ids=position_ids)
+            position_embeddings = self._rotary(hidden, position_ids)
         if interface is not None and position_embeddings[0].shape[-1] == layer.self_attn.head_dim:
             # Decoding on the skinny backend: the same layer as one pass of fused kernels (selfspec.runtime.lean),
             # without the module calls and the ~25 small tensor ops around its seven matmuls.
@@ -344,8 +352,19 @@ class EagleDraftModel(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, cache=cache)
+        if self._sandwich:  # Gemma 3: the attention's output normalised, then the MLP between two norms
+            hidden = hidden + layer.post_attention_layernorm(attn)
+            return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
         hidden = hidden + attn
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of the base's rotary embedding at ``position_ids``: for a base with one embedding per layer
+        type (Gemma 3's local and global), the one the draft layer's type uses (full attention)."""
+        rotary = self.base_model.get_decoder().rotary_emb
+        if getattr(rotary, "layer_types", None):
+            return rotary(hidden, position_ids, self.layer.self_attn.layer_type)
+        return rotary(hidden, position_ids=position_ids)
 
     def _rotary_rows(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[b, q, head_dim]`` of the base's rotary embedding at ``position_ids``, looked up in a
@@ -359,7 +378,7 @@ class EagleDraftModel(nn.Module):
                 or table[0].device != hidden.device:
             size = max(1024, 1 << (needed - 1).bit_length())
             positions = torch.arange(size, device=hidden.device)[None]
-            cos, sin = self.base_model.get_decoder().rotary_emb(hidden[:, :1], position_ids=positions)
+            cos, sin = self._rotary(hidden[:, :1], positions)
             table = self._rotary_table = (cos[0], sin[0])
         return table[0][position_ids], table[1][position_ids]
 

@@ -174,6 +174,12 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
 # ---------------------------------------------------------------- tokenization
 
 def _template_ids(tokenizer, messages, add_generation_prompt=False) -> list[int]:
+    """A conversation's ids with the chat template. A tokenizer without one (a base model, e.g. the Gemma 3 270M
+    GGUF) reads a conversation as its plain text, the turns one after another with the tokenizer's own special
+    tokens (its BOS): how ``selfspec.runtime.prompts.encode_prompt`` encodes a prompt for such a model, so an answer
+    is the prompt's continuation, the text it was generated as."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer("".join(m["content"] for m in messages)).input_ids
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -211,14 +217,12 @@ def tokenize_records(records, tokenizer, *, fmt: str = "auto", max_length: int =
     """Tokenize a dataset into ``[{"input_ids", "loss_mask"}]``, dropping examples with nothing to learn.
 
     Raises:
-        ValueError: an unknown format; no assistant turn in the whole dataset; no example left after truncation;
-            a chat format with a tokenizer that has no chat template.
+        ValueError: an unknown format; no assistant turn in the whole dataset; no example left after truncation.
+        (A chat format with a tokenizer that has no chat template reads as plain text: see ``_template_ids``.)
     """
     fmt = detect_format(records.column_names) if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise ValueError(f"unknown dataset format {fmt!r}; formats accepted: {sorted(FORMATS)}")
-    if fmt != "text" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the {fmt} format needs a tokenizer with a chat template; this tokenizer has none")
     out, saw_assistant = [], False
     for record in records:
         if num_samples is not None and len(out) >= num_samples:
@@ -281,6 +285,9 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 
 def user_turn_prefix(tokenizer) -> tuple[str, str]:
     """``(prefix, end_of_turn)``: the templated text before a user message's content, and the marker after it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("sampling user turns (--prompts self) needs a chat model's template, and this tokenizer has "
+                         "none (a base model): give its prompts as a file or dataset instead (--prompts PATH)")
     sentinel = "\u2402SELFSPEC\u2402"
     text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
     prefix, _, suffix = text.partition(sentinel)

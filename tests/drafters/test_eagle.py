@@ -13,10 +13,16 @@ from decoding.drafter import DecodeState, SamplingParams
 from decoding.generate import generate
 from eagle.drafter import EagleDrafter, EaglePolicy, make_eagle_drafter
 from eagle.model import DraftCache, from_pretrained, save_pretrained
-from selfspec.runtime.tiny import tiny_model
+from selfspec.runtime.tiny import tiny_gemma3, tiny_model
 from selfspec.testing import eagle_draft, greedy_reference, random_prompt
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3")
+
+
+def base(arch: str):
+    """The tiny base of ``arch``; ``gemma3``: sandwich-normed layers, two rotary embeddings, sliding windows of 6
+    positions between full layers (so the longer prompts below decode past the window)."""
+    return tiny_gemma3() if arch == "gemma3" else tiny_model(arch)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +40,7 @@ def aux_states(model, ids, layers):
 def test_training_unroll_equals_decode_time_chain(arch):
     """Step j of the unrolled draft at position t == the (j+1)-th draft step after a verified prefix s_0..s_t with
     the draft chain fed the true next tokens: what makes training-time test train the decoder it serves."""
-    model = tiny_model(arch)
+    model = base(arch)
     draft = eagle_draft(model, seed=3)
     ids = random_prompt(12, seed=5)
     aux = aux_states(model, ids, draft.config.aux_layers)
@@ -51,6 +57,38 @@ def test_training_unroll_equals_decode_time_chain(arch):
                 out = draft.step(hidden, ids[:, t + j + 1:t + j + 2], torch.tensor([[t + j]]), None, cache)
                 assert torch.allclose(out[:, 0], unrolled[j][:, t], atol=1e-5), (arch, t, j)
                 hidden = out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_step_is_its_layer_class_forward(arch):
+    """With the embedding half of q/k/v zeroed and the hidden norm the layer's input norm, a draft step computes what
+    the base's decoder-layer class computes on the hidden states: the residual wiring and the norms (Gemma 3's four)
+    are the class's own."""
+    model = base(arch)
+    draft = eagle_draft(model, seed=5)
+    layer = draft.layer
+    hidden_size = model.config.hidden_size
+    reference = type(layer)(layer.self_attn.config, layer_idx=0)
+    state = {k: v for k, v in layer.state_dict().items() if not k.startswith("self_attn.") or "_proj." not in k
+             or "o_proj" in k}
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            wide = getattr(layer.self_attn, name)
+            wide.weight[:, :hidden_size] = 0
+            state[f"self_attn.{name}.weight"] = wide.weight[:, hidden_size:].clone()
+            if wide.bias is not None:
+                state[f"self_attn.{name}.bias"] = wide.bias.clone()
+        draft.hidden_norm.load_state_dict(layer.input_layernorm.state_dict())
+    reference.load_state_dict(state)
+    hidden = torch.randn(1, 5, hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(3, 8)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out = draft.step(hidden, random_prompt(5, seed=4), positions, mask, None)
+        expected = reference(hidden, position_embeddings=draft._rotary(hidden, positions), attention_mask=mask,
+                             position_ids=positions)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    assert torch.allclose(out, expected, atol=1e-5), (arch, (out - expected).abs().max())
 
 
 def test_padding_does_not_change_the_unroll(llama):
@@ -84,7 +122,7 @@ POLICIES = {
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
 def test_greedy_output_equals_generate(arch, policy):
-    model = tiny_model(arch)
+    model = base(arch)
     drafter = EagleDrafter(model, eagle_draft(model, seed=7, draft_vocab_size=60), POLICIES[policy])
     sizes = []
     for n, new in ((1, 9), (4, 30), (23, 17)):
@@ -487,7 +525,7 @@ def test_sparse_training_attention_equals_the_dense_mask(arch, monkeypatch):
     gradients of the layer's own attention over the dense mask, padding included, on every architecture."""
     import eagle.model
 
-    model = tiny_model(arch)
+    model = base(arch)
     draft = eagle_draft(model, seed=4).train()
     ids = torch.cat([random_prompt(10, seed=6), random_prompt(10, seed=7)])
     mask = torch.ones_like(ids)

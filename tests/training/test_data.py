@@ -172,6 +172,32 @@ def test_distill_resumes_without_redoing_or_duplicating(tmp_path):
     assert len(examples) == 5
 
 
+def test_a_base_model_without_chat_template_distills_and_trains_on_plain_continuations(tmp_path):
+    """A base model (no chat template, like the Gemma 3 270M GGUF) answers a prompt as its continuation, encoded as
+    the benchmark encodes it (``encode_prompt``: the text with the tokenizer's BOS), and a conversation trains as
+    that plain text with exactly the answer masked in; sampling user turns says it needs a template."""
+    import copy
+
+    from selfspec.runtime.prompts import encode_prompt
+
+    model, chat_tokenizer = load_model("tiny:llama")
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = None
+    prompts = [{"id": "p0", "prompt": "question zero"}, {"id": "p1", "prompt": "a longer question one"}]
+    D.distill(model, tokenizer, prompts, tmp_path, max_new_tokens=5, shard_size=2)
+    records = D.load_records(str(tmp_path))
+    examples = D.tokenize_records(records, tokenizer, max_length=128)
+    assert len(examples) == 2
+    for record, example in zip(records, examples):
+        prompt, answer = (turn["value"] for turn in record["conversations"])
+        prompt_ids = encode_prompt(tokenizer, prompt)[0].tolist()
+        assert example["input_ids"] == tokenizer(prompt + answer).input_ids
+        assert example["input_ids"][:len(prompt_ids)] == prompt_ids and not any(example["loss_mask"][:len(prompt_ids)])
+        assert masked_text(tokenizer, example) == answer and all(example["loss_mask"][len(prompt_ids):])
+    with pytest.raises(ValueError, match=r"needs a chat model's template.*--prompts PATH"):
+        D.resolve_prompts("self", model, tokenizer, tmp_path / "self", num_prompts=2)
+
+
 def test_distill_time_budget_finishes_the_shard_in_progress_and_a_rerun_completes_it(tmp_path, monkeypatch):
     model, tokenizer = load_model("tiny:llama")
     prompts = [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(5)]
