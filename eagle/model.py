@@ -209,6 +209,14 @@ class DraftCache(LayerCache):
         return self.append(key_states, value_states)
 
 
+def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """``(scale, eps)`` of an RMSNorm for ``skinny.rms_norm``: Llama's multiplies by its weight, Gemma's by
+    ``1 + weight`` (``eps``)."""
+    if hasattr(norm, "variance_epsilon"):
+        return norm.weight, norm.variance_epsilon
+    return (1.0 + norm.weight.float()).contiguous(), norm.eps
+
+
 def _widen(linear: nn.Linear, in_features: int) -> nn.Linear:
     return nn.Linear(in_features, linear.out_features, bias=linear.bias is not None)
 
@@ -268,6 +276,8 @@ class EagleDraftModel(nn.Module):
                          and all(hasattr(n, "variance_epsilon") for n in (self.layer.input_layernorm, self.hidden_norm,
                                                                           self.layer.post_attention_layernorm))
                          and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
+        # Gemma 3's layer, lean: the base's lean forward run from the draft's two normed halves
+        self._lean_gemma = lean.gemma3_block(base_model, self.layer) if self._sandwich else None
         # The base's modules, held outside the module tree: never trained, never saved.
         self._base = (base_model,)
         self._interface = lean.InterfaceLookup()
@@ -326,7 +336,9 @@ class EagleDraftModel(nn.Module):
         embeds = self.embed(next_ids).to(hidden.dtype)
         layer = self.layer
         batch, n, width = hidden.shape
-        kernels = lean.layer_kernels(layer, batch * n, hidden.dtype, hidden.device) if self._lean_ok else None
+        lean_gemma = self._lean_gemma
+        kernels = (lean.layer_kernels(layer, batch * n, hidden.dtype, hidden.device)
+                   if self._lean_ok or lean_gemma is not None else None)
         interface = self._interface(layer.self_attn) if kernels is not None else None
         if interface is not None:
             position_embeddings = self._rotary_rows(hidden, position_ids)
@@ -336,10 +348,13 @@ class EagleDraftModel(nn.Module):
             # Decoding on the skinny backend: the same layer as one pass of fused kernels (selfspec.runtime.lean),
             # without the module calls and the ~25 small tensor ops around its seven matmuls.
             residual = hidden.reshape(batch * n, width).contiguous()
-            first, second = layer.input_layernorm, self.hidden_norm
-            x = torch.cat([skinny.rms_norm(embeds.reshape(batch * n, width).contiguous(), first.weight,
-                                           first.variance_epsilon),
-                           skinny.rms_norm(residual, second.weight, second.variance_epsilon)], dim=-1)
+            x = torch.cat([skinny.rms_norm(embeds.reshape(batch * n, width).contiguous(),
+                                           *_norm_args(layer.input_layernorm)),
+                           skinny.rms_norm(residual, *_norm_args(self.hidden_norm))], dim=-1)
+            if lean_gemma is not None:
+                update = (cache.update if cache is not None else lambda k, v: (k, v))
+                return lean_gemma.block(kernels, interface, x, residual, batch, n, position_embeddings,
+                                        attention_mask, update, {}).view(batch, n, width)
             if lean.FUSED_LAYERS and cache is not None and interface is skinny_attention:
                 out = lean.fused_block(layer, kernels, residual, batch, n, position_embeddings, attention_mask,
                                        cache, normed=x)
@@ -388,7 +403,7 @@ class EagleDraftModel(nn.Module):
         if self._lean_head(hidden) is not None:
             # decoding on the skinny backend: the final RMSNorm as one pass (as the lean layers run theirs)
             rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-            normed = skinny.rms_norm(rows, self.norm.weight, self.norm.variance_epsilon).view(hidden.shape)
+            normed = skinny.rms_norm(rows, *_norm_args(self.norm)).view(hidden.shape)
         else:
             normed = self.norm(hidden)
         if self.lm_head is not None:
@@ -403,7 +418,8 @@ class EagleDraftModel(nn.Module):
         rows), which is where the extension's norm and ranking apply; None otherwise."""
         head = self.lm_head if self.lm_head is not None else self.shared_head
         kernel = head.__dict__.get("forward")
-        if (self._lean_ok and not torch.is_grad_enabled() and hidden.dtype == torch.float32
+        if ((self._lean_ok or self._lean_gemma is not None) and not torch.is_grad_enabled()
+                and hidden.dtype == torch.float32
                 and hidden.device.type == "cpu" and lean.is_lean_kernel(kernel)):
             return kernel
         return None
@@ -416,9 +432,8 @@ class EagleDraftModel(nn.Module):
         head = self.lm_head if self.lm_head is not None else self.shared_head
         kernel = self._lean_head(hidden)
         if kernel is not None and kernel._current(head._parameters["weight"], head._parameters.get("bias")):
-            return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(), self.norm.weight,
-                                   self.norm.variance_epsilon, kernel._weight, head.out_features,
-                                   head._parameters.get("bias"), k)
+            return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(), *_norm_args(self.norm),
+                                   kernel._weight, head.out_features, head._parameters.get("bias"), k)
         top = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)
         return top.values, top.indices
 

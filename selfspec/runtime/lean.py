@@ -112,6 +112,13 @@ def _gemma3_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def gemma3_block(model: nn.Module, layer: nn.Module):
+    """A lean Gemma 3 layer (``_LeanGemma3Forward``, whose ``block`` runs it from its normed attention input) for
+    ``layer``, a layer of the class of ``model``'s (a feature drafter's), where ``model``'s own layers run lean; None
+    otherwise."""
+    return _LeanGemma3Forward(layer) if _gemma3_layers(model) else None
+
+
 def use_lean_layers(model: nn.Module, enabled: bool = True) -> int:
     """Give every supported decoder layer of ``model`` the lean forward (``enabled``) or its class's back; returns how
     many layers have it now."""
@@ -384,26 +391,40 @@ class _LeanGemma3Forward(_LeanLayer):
             return self._fallback(hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
         kernels, interface, rows = taken
-        shape, attn = hidden_states.shape, self.layer.self_attn
-        batch, n, hidden = shape
+        shape = hidden_states.shape
+        residual = hidden_states.reshape(rows, shape[2]).contiguous()
+        x = skinny.rms_norm(residual, self._scale(0), self._eps[0])
+        if cache is not None:
+            def update(k, v):
+                return cache.update(k, v, self.layer.self_attn.layer_idx, kwargs=kwargs)
+        else:
+            def update(k, v):
+                return k, v
+        return self.block(kernels, interface, x, residual, shape[0], shape[1], position_embeddings, attention_mask,
+                          update, kwargs).view(shape)
+
+    def block(self, kernels: tuple, interface, x: torch.Tensor, residual: torch.Tensor, batch: int, n: int,
+              position_embeddings, attention_mask, update, kwargs: dict) -> torch.Tensor:
+        """The layer from its normed attention input ``x`` ``[rows, in]`` (``input_layernorm`` applied; a feature
+        drafter's layer reads two normed halves) over ``residual`` ``[rows, hidden]``; ``update(k, v)`` stores the
+        new keys and values and returns every key and value to attend to. Returns ``[rows, hidden]``."""
+        attn = self.layer.self_attn
+        rows = residual.shape[0]
         d, eps = attn.head_dim, self._eps
         q_k, k_k, v_k, o_k, gate_k, up_k, down_k = kernels
-        residual = hidden_states.reshape(rows, hidden).contiguous()
-        x = skinny.rms_norm(residual, self._scale(0), eps[0])
         cos, sin = _rows_of(position_embeddings, d)  # per forward and layer type, not per layer
         q = skinny.rms_norm(run_kernel(q_k, x).view(-1, d), self._scale(1), eps[1]).view(rows, -1)
         k = skinny.rms_norm(run_kernel(k_k, x).view(-1, d), self._scale(2), eps[2]).view(rows, -1)
         q = skinny.rope_(q, cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
         k = skinny.rope_(k, cos, sin, d).view(batch, n, -1, d).transpose(1, 2)
         v = run_kernel(v_k, x).view(batch, n, -1, d).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        k, v = update(k, v)
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                            sliding_window=attn.sliding_window, **kwargs)
         h = residual + skinny.rms_norm(run_kernel(o_k, out.reshape(rows, -1)), self._scale(3), eps[3])
         y = skinny.rms_norm(h, self._scale(4), eps[4])
         m = torch.nn.functional.gelu(run_kernel(gate_k, y), approximate="tanh") * run_kernel(up_k, y)
-        return (h + skinny.rms_norm(run_kernel(down_k, m), self._scale(5), eps[5])).view(shape)
+        return h + skinny.rms_norm(run_kernel(down_k, m), self._scale(5), eps[5])
 
 
 class _LeanStack:

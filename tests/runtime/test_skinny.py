@@ -486,6 +486,59 @@ def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monke
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_gemma3_feature_drafter_steps_run_its_lean_layer_and_decode_losslessly(built, monkeypatch):
+    """A Gemma 3 feature drafter on the skinny backend drafts through the base's lean Gemma 3 layer (from its two
+    normed halves, ``1 + w`` norms) and ranks with ``head_top``: outputs, logits, top-k and cache entries as its
+    modules compute them, and greedy decoding past the base's sliding window stays equal to generate."""
+    from decoding.generate import generate
+    from eagle.drafter import EagleDrafter, EaglePolicy
+    from eagle.model import DraftCache
+    from selfspec.runtime import lean
+    from selfspec.runtime.tiny import tiny_gemma3
+    from selfspec.testing import eagle_draft, greedy_reference, random_prompt
+
+    model = tiny_gemma3()
+    draft = eagle_draft(model, seed=3, draft_vocab_size=60)
+    with torch.no_grad():  # trained norms are not zero: give the draft's own norms weights (Gemma's 1 + w)
+        for name, parameter in draft.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    features, ids = torch.randn(1, 8, hidden, generator=gen), torch.randint(0, 60, (1, 8), generator=gen)
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+
+    def run():
+        cache = DraftCache()
+        with torch.inference_mode():
+            first = draft.step(features[:, :5], ids[:, :5], torch.arange(5)[None],
+                               torch.ones(5, 5, dtype=torch.bool).tril()[None, None], cache)
+            mask = torch.cat([torch.ones(3, 5, dtype=torch.bool), tree], dim=1)[None, None]
+            three = draft.step(features[:, 5:8], ids[:, 5:8], torch.tensor([[5, 6, 6]]), mask, cache)
+            values, columns = draft.top(three[0], 4)
+            return [first, three, draft.logits(three), values, cache.keys.clone(), cache.values.clone()], columns
+
+    stock, stock_columns = run()
+    calls, tops = [], []
+    block = lean._LeanGemma3Forward.block
+    monkeypatch.setattr(lean._LeanGemma3Forward, "block", lambda *a, **k: calls.append(1) or block(*a, **k))
+    head_top = skinny.head_top
+    monkeypatch.setattr(skinny, "head_top", lambda *a: tops.append(1) or head_top(*a))
+    monkeypatch.setattr(kernels, "_draft_weights", "float32")  # the same float32 weights on both sides
+    set_linear_backend(model, "skinny")
+    kernels.follow_backend(model, draft.linear_layers, "stock")  # what the drafter's begin does
+    fast, fast_columns = run()
+    assert calls == [1, 1] and tops == [1]
+    assert torch.equal(fast_columns, stock_columns)
+    for a, b in zip(fast, stock):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    drafter = EagleDrafter(model, draft, EaglePolicy(depth=3, nodes=6, top_k=3, width=2))
+    for n, new in ((2, 12), (9, 20)):  # past the window of 6
+        prompt = random_prompt(n, seed=n)
+        out = generate(model, drafter, prompt, max_new_tokens=new)
+        assert torch.equal(out.sequences, greedy_reference(model, prompt, new)), n
+
+
 def test_feature_drafter_steps_over_its_cache_run_as_one_call_bitwise_equal_to_the_lean_pass(built, monkeypatch):
     """Once its cache holds buffers, a draft step on the skinny backend runs the draft layer as one extension call
     (``lean.fused_block`` with the two normed halves as the attention input): outputs, logits and cache entries
