@@ -599,3 +599,24 @@ def test_decode_steps_read_rotary_rows_from_a_table_equal_to_the_rotary_module(l
         want_cos, want_sin = rotary(x, position_ids=positions)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert draft._rotary_table[0].shape[0] == 2048
+
+
+def test_a_gemma3_drafter_saves_and_loads_but_exports_to_neither_llama_layer_format(tmp_path):
+    """A Gemma 3 draft layer is no Llama layer: selfspec saves and loads it (decoding equal before and after), and
+    both serving formats, whose draft layer is Llama's, refuse it by name."""
+    from eagle.export import export_eagle3, export_speculators
+
+    model = tiny_gemma3()
+    draft = eagle_draft(model, seed=6, draft_vocab_size=50)
+    save_pretrained(draft, tmp_path / "d")
+    loaded = from_pretrained(tmp_path / "d", model)
+    prompt = random_prompt(8, seed=2)
+    runs = [generate(model, EagleDrafter(model, d, EaglePolicy(depth=3, nodes=5)), prompt, max_new_tokens=14)
+            for d in (draft, loaded)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.tree_sizes == runs[1].stats.tree_sizes and max(runs[0].stats.tree_sizes) == 5
+    with pytest.raises(ValueError, match="got 'gemma3_text'.*--draft eagle"):
+        export_speculators(loaded, tmp_path / "spec")
+    with pytest.raises(ValueError, match="gemma3_text"):
+        export_eagle3(loaded, tmp_path / "e3")
+    assert not (tmp_path / "spec").exists() and not (tmp_path / "e3").exists()
