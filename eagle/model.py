@@ -209,14 +209,6 @@ class DraftCache(LayerCache):
         return self.append(key_states, value_states)
 
 
-def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
-    """``(scale, eps)`` of an RMSNorm for ``skinny.rms_norm``: Llama's multiplies by its weight, Gemma's by
-    ``1 + weight`` (``eps``)."""
-    if hasattr(norm, "variance_epsilon"):
-        return norm.weight, norm.variance_epsilon
-    return (1.0 + norm.weight.float()).contiguous(), norm.eps
-
-
 def _widen(linear: nn.Linear, in_features: int) -> nn.Linear:
     return nn.Linear(in_features, linear.out_features, bias=linear.bias is not None)
 
@@ -272,7 +264,8 @@ class EagleDraftModel(nn.Module):
                 self.lm_head.weight.copy_(lm_head.weight[draft_vocab].to(self.lm_head.weight.dtype))
         self.requires_grad_(True)  # the norm copied from the frozen base came frozen
         # a lean decode step (selfspec.runtime.lean.block) fits a Llama-family layer with SiLU MLP and RMSNorms
-        self._lean_ok = (not hasattr(attn, "q_norm") and not self._sandwich and getattr(base_config, "hidden_act", None) == "silu"
+        self._lean_ok = (not hasattr(attn, "q_norm") and not self._sandwich
+                         and getattr(base_config, "hidden_act", None) == "silu"
                          and all(hasattr(n, "variance_epsilon") for n in (self.layer.input_layernorm, self.hidden_norm,
                                                                           self.layer.post_attention_layernorm))
                          and all(hasattr(attn, a) for a in ("head_dim", "scaling")))
@@ -349,8 +342,8 @@ class EagleDraftModel(nn.Module):
             # without the module calls and the ~25 small tensor ops around its seven matmuls.
             residual = hidden.reshape(batch * n, width).contiguous()
             x = torch.cat([skinny.rms_norm(embeds.reshape(batch * n, width).contiguous(),
-                                           *_norm_args(layer.input_layernorm)),
-                           skinny.rms_norm(residual, *_norm_args(self.hidden_norm))], dim=-1)
+                                           *lean.rms_norm_args(layer.input_layernorm)),
+                           skinny.rms_norm(residual, *lean.rms_norm_args(self.hidden_norm))], dim=-1)
             if lean_gemma is not None:
                 update = (cache.update if cache is not None else lambda k, v: (k, v))
                 return lean_gemma.block(kernels, interface, x, residual, batch, n, position_embeddings,
@@ -403,7 +396,7 @@ class EagleDraftModel(nn.Module):
         if self._lean_head(hidden) is not None:
             # decoding on the skinny backend: the final RMSNorm as one pass (as the lean layers run theirs)
             rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-            normed = skinny.rms_norm(rows, *_norm_args(self.norm)).view(hidden.shape)
+            normed = skinny.rms_norm(rows, *lean.rms_norm_args(self.norm)).view(hidden.shape)
         else:
             normed = self.norm(hidden)
         if self.lm_head is not None:
@@ -432,8 +425,9 @@ class EagleDraftModel(nn.Module):
         head = self.lm_head if self.lm_head is not None else self.shared_head
         kernel = self._lean_head(hidden)
         if kernel is not None and kernel._current(head._parameters["weight"], head._parameters.get("bias")):
-            return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(), *_norm_args(self.norm),
-                                   kernel._weight, head.out_features, head._parameters.get("bias"), k)
+            return skinny.head_top(hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+                                   *lean.rms_norm_args(self.norm), kernel._weight, head.out_features,
+                                   head._parameters.get("bias"), k)
         top = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)
         return top.values, top.indices
 

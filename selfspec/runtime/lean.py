@@ -112,6 +112,19 @@ def _gemma3_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def rms_norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """``(scale, eps)`` of an RMSNorm module for ``skinny.rms_norm``: a Llama-family norm multiplies by its weight
+    (``variance_epsilon``), Gemma's by ``1 + weight`` (``eps``), computed once per weight and version and kept on the
+    norm."""
+    if hasattr(norm, "variance_epsilon"):
+        return norm.weight, norm.variance_epsilon
+    weight = norm._parameters["weight"]
+    held = norm.__dict__.get("_selfspec_scale")  # (its weight, its version, 1 + weight)
+    if held is None or held[0] is not weight or held[1] != tensor_version(weight):
+        held = norm.__dict__["_selfspec_scale"] = (weight, tensor_version(weight), (1.0 + weight.float()).contiguous())
+    return held[2], norm.eps
+
+
 def gemma3_block(model: nn.Module, layer: nn.Module):
     """A lean Gemma 3 layer (``_LeanGemma3Forward``, whose ``block`` runs it from its normed attention input) for
     ``layer``, a layer of the class of ``model``'s (a feature drafter's), where ``model``'s own layers run lean; None
@@ -372,15 +385,10 @@ class _LeanGemma3Forward(_LeanLayer):
         attn = layer.self_attn
         self._norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
                        layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
-        self._scales: list = [None] * len(self._norms)  # per norm: (its weight, its version, 1 + weight)
         self._eps = [norm.eps for norm in self._norms]
 
     def _scale(self, i: int) -> torch.Tensor:
-        weight = self._norms[i]._parameters["weight"]
-        held = self._scales[i]
-        if held is None or held[0] is not weight or held[1] != tensor_version(weight):
-            held = self._scales[i] = (weight, tensor_version(weight), (1.0 + weight.float()).contiguous())
-        return held[2]
+        return rms_norm_args(self._norms[i])[0]
 
     def __call__(self, hidden_states: torch.Tensor,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
