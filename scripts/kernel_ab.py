@@ -29,7 +29,7 @@ import torch
 
 from selfspec.bench.cost import cpu_model
 from selfspec.runtime import cache as kv
-from selfspec.runtime import skinny
+from selfspec.runtime import lean, skinny
 from selfspec.runtime.attention import GQA_SDPA, use_attention
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import load_model
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the attention kernel only: the model's heads over --prefix cached keys, 30 layers'"
                              " worth (outputs must be bitwise equal)")
     parser.add_argument("--copies", type=int, default=1, help="with --linears: copies of the weights to stream")
+    parser.add_argument("--grids", action="store_true",
+                        help="with --linears: each weight packed as a forward streams it, on its exact GGUF grid where"
+                             " it lies on one (outputs of the two builds must be bitwise equal)")
     parser.add_argument("--cflags", default="", help="extra compiler flags for both builds (e.g. -mno-avx512f)")
     args = parser.parse_args(argv)
 
@@ -126,7 +129,18 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(config.num_hidden_layers):
                     module.attention(q, k, v, mask, dim ** -0.5)
         elif args.linears:
-            layers = [(builds["new"].pack(m.weight.detach()), m.out_features, m.in_features)
+            def packed(weight):  # the weight as a forward streams it (its exact grid with --grids), checked equal
+                if not args.grids:
+                    return builds["new"].pack(weight)
+                skinny._module = builds["new"]
+                panels = skinny.pack_exact(weight)
+                x = torch.randn(max(sizes), weight.shape[1])
+                if not torch.equal(builds["old"].linear(x, panels, weight.shape[0], None),
+                                   builds["new"].linear(x, panels, weight.shape[0], None)):
+                    sys.exit(f"a {tuple(weight.shape)} weight on its grid: the two builds' outputs differ")
+                return panels
+
+            layers = [(packed(m.weight.detach()), m.out_features, m.in_features)
                       for _ in range(args.copies) for m in linears]
             inputs = {n: {k: torch.randn(n, k) for k in {k for _, _, k in layers}} for n in sizes}
 
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     module.linear(inputs[n][in_features], packed, out_features, None)
         else:
             skinny._module = builds["new"]  # packs with the new build; the layout is checked equal above
+            # The whole-stack call (lean.FUSED_STACK) is an object of the build that made it: with it, both sides
+            # would run one build. Per-layer calls look the build up each time, so the swap below takes effect.
+            lean.FUSED_STACK = False
             set_linear_backend(model, "skinny")
             if not all(hasattr(b, "attention") for b in builds.values()):
                 # a build from before the attention kernel: both sides attend with SDPA
@@ -151,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 kv.crop(cache, args.prefix)
 
         medians = time_rounds(run, labels, sizes, args.repeats)
-    what = ("attention of every layer" if args.attention else "linear layers" if args.linears
+    what = ("attention of every layer" if args.attention
+            else f"linear layers{' on their grids' if args.grids else ''}" if args.linears
             else f"forward over {args.prefix} cached tokens")
     what += f" ({cpu_model()})"
     print(f"{what}, ms (ratio to 1 token), median of {args.repeats} interleaved rounds, {args.threads} threads"

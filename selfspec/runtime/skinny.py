@@ -10,6 +10,7 @@ and ``selfspec.runtime.kernels`` keeps its other backends.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -51,10 +52,36 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# Every multiply-add of the kernels is one fused multiply-add wherever the ISA has it, in every tile shape. GCC's
+# tuning for AMD Zen (-march=native there) splits FMAs in chains of dependent accumulations into a multiply and an add,
+# which rounds twice, but only where its heuristic sees such a chain: on a Zen 3 the one-row float32 tile summed
+# `x * w` with two roundings and the tiles of two or more rows with one, so a token's outputs depended on how many
+# rows shared its call. That breaks what lossless verification rests on (a row computes the same bits alone, in a
+# tree or in a batch). ``avoid-fma-max-bits=0`` turns the heuristic off; ``-ffp-contract=fast`` (GCC's default) says
+# the same to clang, which has no such heuristic.
+CONTRACT_CFLAGS = ("-ffp-contract=fast",)
+GCC_CONTRACT_CFLAGS = ("--param=avoid-fma-max-bits=0",)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_is_gcc() -> bool:
+    """Whether the compiler ``cpp_extension`` runs (``$CXX``, else ``c++``) is GCC: only it takes ``--param``."""
+    import subprocess
+
+    try:
+        banner = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" not in banner.lower() and ("free software foundation" in banner.lower() or "g++" in banner)
+
+
 def cflags() -> tuple[str, ...]:
-    """The compiler flags of this build: OpenMP where PyTorch's own parallel backend is OpenMP (Linux wheels)."""
+    """The compiler flags of this build: OpenMP where PyTorch's own parallel backend is OpenMP (Linux wheels), and
+    one rounding per multiply-add everywhere (``CONTRACT_CFLAGS``)."""
     uses_openmp = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
-    return CFLAGS + (OPENMP_CFLAGS if uses_openmp else ())
+    return (CFLAGS + CONTRACT_CFLAGS + (GCC_CONTRACT_CFLAGS if _compiler_is_gcc() else ())
+            + (OPENMP_CFLAGS if uses_openmp else ()))
 
 
 def build_key() -> str:

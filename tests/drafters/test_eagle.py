@@ -547,7 +547,11 @@ def test_sparse_training_attention_equals_the_dense_mask(arch, monkeypatch):
         assert torch.allclose(a, b, atol=1e-5), (arch, (a - b).abs().max())
     assert sparse_grads.keys() == dense_grads.keys() and len(sparse_grads) > 5
     for name in sparse_grads:
-        assert torch.allclose(sparse_grads[name], dense_grads[name], atol=1e-4, rtol=1e-4), (arch, name)
+        # float32 sums in another order: their error scales with the gradient's magnitude (Gemma's run to ~2,500,
+        # its embeddings scaled by sqrt(hidden)), so the absolute tolerance does too; a wrong mask is off by O(1).
+        scale = float(dense_grads[name].abs().max())
+        assert torch.allclose(sparse_grads[name], dense_grads[name], atol=1e-4 * max(1.0, scale / 100), rtol=1e-4), \
+            (arch, name, float((sparse_grads[name] - dense_grads[name]).abs().max()), scale)
     assert draft.layer.self_attn.config._attn_implementation == model.config._attn_implementation  # restored
 
 

@@ -193,6 +193,34 @@ def test_grid_panels_give_the_float32_panels_outputs_bit_for_bit(built, kind, ou
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packing", ["float32", "float16", "q4_1", "q8_0", "q4_k", "q6_k"])
+def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_beside_it(built, packing):
+    """What lossless verification rests on: a token's outputs are the same bits in a one-row call (a plain step), in a
+    tree's call and in a batch's, for every row count and so every tile shape and remainder. It failed on a Zen 3,
+    where GCC's tuning split the one-row tile's multiply-adds into a multiply and an add (two roundings) and kept
+    them fused in the others."""
+    out_features, in_features = 37, 256  # a partial last panel; 8 grid blocks of K
+    gen = torch.Generator().manual_seed(11)
+    if packing in ("q4_k", "q6_k"):
+        weight = (q4_k_weight if packing == "q4_k" else q6_k_weight)(out_features, in_features, seed=5)
+    else:
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.1
+        if packing in KINDS:
+            weight = through_gguf(weight, packing)
+    if packing in ("float32", "float16"):
+        packed = skinny.pack(weight, half=packing == "float16")
+    else:
+        found = skinny.pack_grid(weight)
+        assert found is not None and found[0] == {"q4_k": "q4_1"}.get(packing, packing)
+        packed = found[1]
+    x = torch.randn(40, in_features, generator=gen)
+    bias, residual = torch.randn(out_features, generator=gen), torch.randn(40, out_features, generator=gen)
+    alone = torch.cat([skinny.linear(x[i:i + 1], packed, out_features, bias, residual[i:i + 1]) for i in range(40)])
+    for n in range(1, 41):
+        together = skinny.linear(x[:n], packed, out_features, bias, residual[:n])
+        assert torch.equal(together, alone[:n]), (packing, n, (together - alone[:n]).abs().max())
+
+
 def test_the_grid_tiles_of_the_other_vector_width_are_bitwise_too(built):
     """On an AVX-512 machine the AVX2 tiles (8 lanes, 16 registers, their own shapes) are built and checked too: they
     are what AVX2-only CPUs run."""

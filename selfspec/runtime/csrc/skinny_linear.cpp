@@ -87,14 +87,16 @@ inline void store_tile(const vec (&acc)[R][C], int64_t panel, float* __restrict 
 // the next tile's weights arrive while this one computes. They are requested into L2 (locality 2), not L1: a tile's
 // panels are C x K x 64 bytes (74-110 KB for SmolLM2), more than an L1, and pulling the next tile into L1 evicted the
 // panels the current tile still reads.
+// `streams` is panel `panel`'s stream, the next C - 1 panels' following it ([C][K][L]): a slice of a packed weight,
+// or panels rebuilt from a grid into a scratch buffer (see `grid_unpacked`).
 template <typename W, int R, int C, bool Prefetch>
-inline void tile(const float* __restrict x, int64_t K, const W* __restrict packed, int64_t panel,
+inline void tile(const float* __restrict x, int64_t K, const W* __restrict first, int64_t panel,
                  float* __restrict out, int64_t M, const float* __restrict bias, const float* __restrict residual) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vec{};
   const W* streams[C];
-  for (int c = 0; c < C; ++c) streams[c] = packed + (panel + c) * K * kLanes;
+  for (int c = 0; c < C; ++c) streams[c] = first + c * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     vec w[C];
     for (int c = 0; c < C; ++c) w[c] = load_weights(streams[c] + k * kLanes);
@@ -110,24 +112,24 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict packe
 
 // A tile of n rows (0 < n <= R) against panels [panel, panel + C), the row count dispatched to its instantiation.
 template <typename W, int C, bool Prefetch, int R>
-inline void tile_n(int64_t n, const float* x, int64_t K, const W* packed, int64_t panel, float* out, int64_t M,
+inline void tile_n(int64_t n, const float* x, int64_t K, const W* first, int64_t panel, float* out, int64_t M,
                    const float* bias, const float* residual) {
   if constexpr (R > 0) {
-    if (n == R) tile<W, R, C, Prefetch>(x, K, packed, panel, out, M, bias, residual);
-    else tile_n<W, C, Prefetch, R - 1>(n, x, K, packed, panel, out, M, bias, residual);
+    if (n == R) tile<W, R, C, Prefetch>(x, K, first, panel, out, M, bias, residual);
+    else tile_n<W, C, Prefetch, R - 1>(n, x, K, first, panel, out, M, bias, residual);
   }
 }
 
 // All n rows against panels [panel, panel + C): blocks of Rows rows, then the remainder, while the panels are in
 // cache.
 template <typename W, int Rows, int C, bool Prefetch>
-void rows(const float* x, int64_t n, int64_t K, const W* packed, int64_t panel, float* out, int64_t M,
+void rows(const float* x, int64_t n, int64_t K, const W* first, int64_t panel, float* out, int64_t M,
           const float* bias, const float* residual) {
   int64_t r = 0;
   for (; r + Rows <= n; r += Rows)
-    tile<W, Rows, C, Prefetch>(x + r * K, K, packed, panel, out + r * M, M, bias, residual ? residual + r * M : nullptr);
+    tile<W, Rows, C, Prefetch>(x + r * K, K, first, panel, out + r * M, M, bias, residual ? residual + r * M : nullptr);
   if (n > r)
-    tile_n<W, C, Prefetch, Rows - 1>(n - r, x + r * K, K, packed, panel, out + r * M, M, bias,
+    tile_n<W, C, Prefetch, Rows - 1>(n - r, x + r * K, K, first, panel, out + r * M, M, bias,
                                   residual ? residual + r * M : nullptr);
 }
 
@@ -142,8 +144,8 @@ void panels(const float* x, int64_t n, int64_t K, const W* packed, float* out, i
             const float* residual, int64_t begin, int64_t end) {
   constexpr bool prefetch = Rows >= kPrefetchRows;
   int64_t p = begin;
-  for (; p + C <= end; p += C) rows<W, Rows, C, prefetch>(x, n, K, packed, p, out, M, bias, residual);
-  for (; p < end; ++p) rows<W, Rows, 1, prefetch>(x, n, K, packed, p, out, M, bias, residual);
+  for (; p + C <= end; p += C) rows<W, Rows, C, prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
+  for (; p < end; ++p) rows<W, Rows, 1, prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
 }
 
 // The tile shape for n rows. The weights are the traffic: each weight vector loaded is used by every row of its
@@ -328,6 +330,43 @@ void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, fl
   for (; p < end; ++p) group(p, std::integral_constant<int, 1>{});
 }
 
+// Rows past one grid tile against grid panels, rebuilt once. A grid tile rebuilds each weight vector for its own
+// rows, so a second row tile over the same panels pays the rebuild again: with AVX2's 16 registers a grid tile holds
+// 8 rows, and on a 2-core Zen 3 a 9-row forward of SmolLM2 cost 1.4x an 8-row one (linears 15.1 -> 24.0 ms). Here
+// each group of C panels is rebuilt once into a float32 scratch laid out as float32 panels ([C][K][L], a few dozen
+// KB, in L1/L2), and the float32 tiles run all n rows over it. The scratch holds the weights the grid tile rebuilds
+// (the same F::pair), and the float32 tile sums the same products in the same K order: the outputs are bitwise the
+// grid tile's (and the float32 panels').
+template <typename F, int Rows, int C>
+void grid_unpacked(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
+                   const float* bias, const float* residual, int64_t begin, int64_t end) {
+  thread_local std::vector<vec> scratch;  // vec's alignment; each thread rebuilds its own panels
+  if (static_cast<int64_t>(scratch.size()) < C * K) scratch.resize(C * K);
+  const int64_t nb = K / kGridBlock, stride = nb * F::bytes;
+  const auto rebuild = [&](int64_t p, int width) {
+    for (int c = 0; c < width; ++c) {
+      vec* dst = scratch.data() + c * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = packed + (p + c) * stride + b * F::bytes;
+        const vec d = load_weights(reinterpret_cast<const float*>(block));
+        const vec m = F::has_min ? load_weights(reinterpret_cast<const float*>(block + kLanes * 4)) : vec{};
+        for (int j = 0; j < kGridBlock / 2; ++j)
+          F::pair(block, j, d, m, dst[b * kGridBlock + 2 * j], dst[b * kGridBlock + 2 * j + 1]);
+      }
+    }
+  };
+  const float* weights = reinterpret_cast<const float*>(scratch.data());
+  int64_t p = begin;
+  for (; p + C <= end; p += C) {
+    rebuild(p, C);
+    rows<float, Rows, C, false>(x, n, K, weights, p, out, M, bias, residual);
+  }
+  for (; p < end; ++p) {
+    rebuild(p, 1);
+    rows<float, Rows, 1, false>(x, n, K, weights, p, out, M, bias, residual);
+  }
+}
+
 // Tile shapes for grid panels. A grid streams 3.6-6.4x fewer bytes than float32 panels, so from a few rows on a
 // call is bound by the multiply-adds, not by memory: rebuilding a weight vector costs a few instructions, paid once
 // per tile for all its rows, and a second row tile over the same panels re-reads a few KB from L1 (a panel's grid
@@ -336,6 +375,10 @@ void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, fl
 // passes beat 16 x 1 by 2-6% at 15-24 rows. 3-4 rows take the 8 x 2 tile too (with its software prefetch): as 4 x 3
 // tiles without it, a whole 4-token forward of SmolLM2 cost more than a 5-token one (11.9 against 11.1-12.3 ms;
 // `scripts/kernel_ab.py --tokens 1,3,4,5`: 3 tokens 11.5 -> 11.1 ms, 4 tokens 11.9 -> 11.6, same Xeon).
+// AVX2 (16 registers) holds one 8-row grid tile; past 8 rows the panels are rebuilt once and the float32 6 x 2 tile
+// runs over them (`grid_unpacked`). On a 2-core Zen 3, SmolLM2's linears on their grids (`scripts/kernel_ab.py
+// --linears --grids`, 30 interleaved rounds): 9 rows 28.0 -> 23.0 ms, 12 rows 28.4 -> 25.3, 16 rows alike (33.8,
+// 34.4: two full 8-row tiles waste no rebuild). A 6 x 2 grid tile in registers spilled (slower than 8 x 1 at 6-9 rows).
 template <typename F>
 void grid_dispatch(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
                    const float* bias, const float* r, int64_t begin, int64_t end) {
@@ -348,7 +391,8 @@ void grid_dispatch(const float* x, int64_t n, int64_t K, const uint8_t* packed, 
 #else
   if (n == 1) grid_panels<F, 1, 3>(x, n, K, packed, out, M, bias, r, begin, end);
   else if (n <= 4) grid_panels<F, 4, 2>(x, n, K, packed, out, M, bias, r, begin, end);
-  else grid_panels<F, 8, 1>(x, n, K, packed, out, M, bias, r, begin, end);
+  else if (n <= 8) grid_panels<F, 8, 1>(x, n, K, packed, out, M, bias, r, begin, end);
+  else grid_unpacked<F, 6, 2>(x, n, K, packed, out, M, bias, r, begin, end);
 #endif
 }
 
