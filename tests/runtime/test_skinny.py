@@ -139,6 +139,35 @@ def test_build_key_follows_the_cpu_and_the_source(monkeypatch):
     assert skinny.build_key() != key  # -march=native code is never reused on another CPU
 
 
+def test_the_build_keeps_every_multiply_add_fused_on_every_compiler(monkeypatch, tmp_path):
+    """GCC's tuning for AMD Zen splits some fused multiply-adds of a chain into two roundings, in some tile shapes
+    only (it did in the one-row tile on a Zen 3): the build turns that off where the compiler is GCC, asks every
+    compiler for contraction, and rebuilds when the flags change. (What the flags buy is tested bit for bit in
+    tests/runtime/test_grids.py: every row equals its one-row call.)"""
+    banners = {"fake-gcc": "g++ (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.",
+               "fake-clang": "Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu",
+               "fake-apple": "Apple clang version 15.0.0 (clang-1500.1.0.2.5)"}
+    for name, banner in banners.items():
+        script = tmp_path / name
+        script.write_text(f"#!/bin/sh\nprintf '{banner}\\n'\n")
+        script.chmod(0o755)
+    found = {}
+    for name in banners:
+        monkeypatch.setenv("CXX", str(tmp_path / name))
+        skinny._compiler_is_gcc.cache_clear()
+        found[name] = skinny._compiler_is_gcc()
+    skinny._compiler_is_gcc.cache_clear()
+    assert found == {"fake-gcc": True, "fake-clang": False, "fake-apple": False}
+    keys = set()
+    for gcc in (True, False):
+        monkeypatch.setattr(skinny, "_compiler_is_gcc", lambda gcc=gcc: gcc)
+        flags = skinny.cflags()
+        assert "-ffp-contract=fast" in flags
+        assert ("--param=avoid-fma-max-bits=0" in flags) == gcc
+        keys.add(skinny.build_key())
+    assert len(keys) == 2
+
+
 def test_medusa_draft_vocabulary_head_follows_the_lm_head_onto_the_kernel(built, monkeypatch):
     from medusa import MedusaHeads
 
