@@ -18,9 +18,41 @@ from selfspec.runtime import cache as kv
 from selfspec.runtime.kernels import cpu_signature, linear_backend
 
 
+def describe_cpu(cpuinfo: str) -> str | None:
+    """``/proc/cpuinfo``'s text as one name that tells machines apart: the model name, then the family and model
+    numbers and the widest vector extensions, e.g. ``AMD EPYC (family 25 model 1, AVX2)``. A VM often reports only
+    "AMD EPYC", for Zen 3 and Zen 5 alike, and their figures differ a lot. None without a model name."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if not sep:
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        fields.setdefault(key, value.strip())
+    name = fields.get("model name")
+    if not name:
+        return None
+    flags = set(fields.get("flags", "").split())
+    isa = ["AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None,
+           "AMX" if "amx_tile" in flags else None]
+    parts = [f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields
+             else None, *isa]
+    details = ", ".join(part for part in parts if part)
+    return f"{name} ({details})" if details else name
+
+
 def cpu_model() -> str:
-    """The processor's model name (``/proc/cpuinfo``), e.g. ``AMD EPYC 7B13``; ``platform.processor()`` elsewhere."""
-    return cpu_signature()["cpu"]
+    """The processor as figures should name it: ``describe_cpu`` of ``/proc/cpuinfo`` (e.g. ``AMD EPYC (family 25
+    model 1, AVX2)``), or the model name ``cpu_signature`` found elsewhere."""
+    from pathlib import Path
+
+    try:
+        described = describe_cpu(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        described = None
+    return described or cpu_signature()["cpu"]
 
 
 def _sync(device: torch.device) -> None:

@@ -99,3 +99,17 @@ def test_an_unknown_backend_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["cost", "--model", "tiny:llama", "--backends", "mkl"])
     assert "unknown backend 'mkl'" in capsys.readouterr().err
+
+
+def test_figures_name_the_cpu_by_family_model_and_vector_extensions():
+    """A VM often reports only "AMD EPYC" for Zen 3 and Zen 5 alike: the name figures carry adds what tells them apart."""
+    from selfspec.bench.cost import describe_cpu
+
+    zen3 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: fpu sse2 avx fma avx2 bmi2\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n")
+    xeon = ("cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"
+            "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert describe_cpu(zen3) == "AMD EPYC (family 25 model 1, AVX2)"  # the first processor's block
+    assert describe_cpu(xeon) == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (family 6 model 143, AVX-512, AMX)"
+    assert describe_cpu("model name\t: Some CPU\nflags\t: sse2\n") == "Some CPU"
+    assert describe_cpu("Features\t: neon\n") is None and cpu_model() != ""
