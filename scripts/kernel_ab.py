@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(config.num_hidden_layers):
                     module.attention(q, k, v, mask, dim ** -0.5)
         elif args.linears:
+            skinny._module = builds["new"]  # pack_exact packs with the new build (the layout is checked equal above)
+
             def packed(weight):  # the weight as a forward streams it (its exact grid with --grids), checked equal
                 if not args.grids:
                     return builds["new"].pack(weight)
-                skinny._module = builds["new"]
                 panels = skinny.pack_exact(weight)
                 x = torch.randn(max(sizes), weight.shape[1])
                 if not torch.equal(builds["old"].linear(x, panels, weight.shape[0], None),

@@ -15,22 +15,15 @@ from typing import Any, Sequence
 import torch
 
 from selfspec.runtime import cache as kv
-from selfspec.runtime.kernels import cpu_signature, linear_backend
+from selfspec.runtime.kernels import cpu_signature, cpuinfo_fields, linear_backend
 
 
-def describe_cpu(cpuinfo: str) -> str | None:
-    """``/proc/cpuinfo``'s text as one name that tells machines apart: the model name, then the family and model
-    numbers and the widest vector extensions, e.g. ``AMD EPYC (family 25 model 1, AVX2)``. A VM often reports only
-    "AMD EPYC", for Zen 3 and Zen 5 alike, and their figures differ a lot. None without a model name."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        key = key.strip()
-        if not sep:
-            if fields:
-                break  # the first processor's block is enough
-            continue
-        fields.setdefault(key, value.strip())
+def describe_cpu(cpuinfo: str | None = None) -> str | None:
+    """``/proc/cpuinfo``'s text (or ``cpuinfo``) as one name that tells machines apart: the model name, then the
+    family and model numbers and the widest vector extensions, e.g. ``AMD EPYC (family 25 model 1, AVX2)``. A VM
+    often reports only "AMD EPYC", for Zen 3 and Zen 5 alike, and their figures differ a lot. None without a model
+    name."""
+    fields = cpuinfo_fields(cpuinfo)
     name = fields.get("model name")
     if not name:
         return None
@@ -44,15 +37,9 @@ def describe_cpu(cpuinfo: str) -> str | None:
 
 
 def cpu_model() -> str:
-    """The processor as figures should name it: ``describe_cpu`` of ``/proc/cpuinfo`` (e.g. ``AMD EPYC (family 25
-    model 1, AVX2)``), or the model name ``cpu_signature`` found elsewhere."""
-    from pathlib import Path
-
-    try:
-        described = describe_cpu(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        described = None
-    return described or cpu_signature()["cpu"]
+    """The processor as figures should name it: ``describe_cpu()`` (e.g. ``AMD EPYC (family 25 model 1, AVX2)``), or
+    the name ``cpu_signature`` gives where there is no ``/proc/cpuinfo``."""
+    return describe_cpu() or cpu_signature()["cpu"]
 
 
 def _sync(device: torch.device) -> None:
