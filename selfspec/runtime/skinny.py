@@ -487,7 +487,7 @@ _attention_dims: dict[int, bool] = {}
 
 
 def attention_supported(head_dim: int) -> bool:
-    """The attention kernel takes heads of this size (a multiple of the vector width: 4, 8 or 16 vectors)."""
+    """The attention kernel takes heads of this size (a multiple of the vector width: 4, 8, 16 or 32 vectors)."""
     known = _attention_dims.get(head_dim)
     if known is None:
         known = _attention_dims[head_dim] = bool(extension().attention_supported(head_dim))

@@ -567,13 +567,13 @@ struct AttentionArgs {
 // row's sum over keys t in order, as one multiply-add per key.
 template <int DV, int R>
 inline void pv_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t row0, const float* S, int64_t W, int64_t L,
-                     const float* values, const float* inv_row) {
+                     const float* values, const float* inv_row, int64_t d0) {
   const int64_t group = a.H / a.KV, n = a.n;
   vec acc[R][DV];
   for (int x = 0; x < R; ++x)
     for (int d = 0; d < DV; ++d) acc[x][d] = vec{};
   for (int64_t t = 0; t < L; ++t) {
-    const float* vt = values + t * a.v_j;
+    const float* vt = values + t * a.v_j + d0 * kLanes;
     vec vv[DV];
     for (int d = 0; d < DV; ++d) vv[d] = *reinterpret_cast<const vec_unaligned*>(vt + d * kLanes);
     const float* pt = S + t * W;
@@ -584,7 +584,7 @@ inline void pv_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t row0,
   }
   for (int x = 0; x < R; ++x) {
     const int64_t row = row0 + x, i = row % n, h = g * group + row / n;
-    float* o = a.out + ((b * n + i) * a.H + h) * a.D;
+    float* o = a.out + ((b * n + i) * a.H + h) * a.D + d0 * kLanes;
     const float scale = inv_row[x];
     for (int d = 0; d < DV; ++d) {
       const vec y = acc[x][d] * scale;
@@ -596,10 +596,10 @@ inline void pv_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t row0,
 // pv_block for rb (1 <= rb <= R) rows, the count dispatched to its instantiation.
 template <int DV, int R>
 inline void pv_rows(int64_t rb, const AttentionArgs& a, int64_t b, int64_t g, int64_t row0, const float* S, int64_t W,
-                    int64_t L, const float* values, const float* inv_row) {
+                    int64_t L, const float* values, const float* inv_row, int64_t d0) {
   if constexpr (R > 0) {
-    if (rb == R) pv_block<DV, R>(a, b, g, row0, S, W, L, values, inv_row);
-    else pv_rows<DV, R - 1>(rb, a, b, g, row0, S, W, L, values, inv_row);
+    if (rb == R) pv_block<DV, R>(a, b, g, row0, S, W, L, values, inv_row, d0);
+    else pv_rows<DV, R - 1>(rb, a, b, g, row0, S, W, L, values, inv_row, d0);
   }
 }
 
@@ -706,10 +706,16 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t g, int64_t r0, i
   // one, on a 2-core Xeon; its AVX2 build, with blocks sized to its 16 registers, 59 -> 51 us at 9; the same sums in
   // the same order, bitwise the old outputs)
   // rows a block holds: as many as leave registers for the value row (RB x DV accumulators + DV values + 1)
+  // A head wider than 16 vectors (Gemma 3's 256 dims on AVX2: 32 vectors, twice the registers there are) is
+  // summed DC vectors of value columns at a time; every output's sum over the keys runs in the same order whatever
+  // the split, so the chunks change which registers hold it, not its bits.
   constexpr int kRegisters = kLanes == 16 ? 32 : 16;
-  constexpr int RB = std::max(1, (kRegisters - DV - 1) / DV);
-  for (int64_t r = 0; r < rows; r += RB)
-    pv_rows<DV, RB>(std::min<int64_t>(RB, rows - r), a, b, g, r0 + r, S + r, W, L, values, inv_row + r);
+  constexpr int DC = DV <= 16 ? DV : kRegisters / 4;
+  static_assert(DV % DC == 0, "value columns split into whole chunks");
+  constexpr int RB = std::max(1, (kRegisters - DC - 1) / DC);
+  for (int64_t d0 = 0; d0 < DV; d0 += DC)
+    for (int64_t r = 0; r < rows; r += RB)
+      pv_rows<DC, RB>(std::min<int64_t>(RB, rows - r), a, b, g, r0 + r, S + r, W, L, values, inv_row + r, d0);
 }
 
 template <int DV>
@@ -735,7 +741,7 @@ void attention_all(const AttentionArgs& a) {
 
 bool attention_supported(int64_t head_dim) {
   const int64_t dv = head_dim / kLanes;
-  return head_dim % kLanes == 0 && (dv == 4 || dv == 8 || dv == 16);
+  return head_dim % kLanes == 0 && (dv == 4 || dv == 8 || dv == 16 || dv == 32);
 }
 
 // query [B, H, n, D], key/value [B, KV, L, D] (any strides but a contiguous last dim), mask None or [B or 1, 1, n, L]
@@ -779,7 +785,8 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key, co
   switch (D / kLanes) {
     case 4: attention_all<4>(a); break;
     case 8: attention_all<8>(a); break;
-    default: attention_all<16>(a); break;
+    case 16: attention_all<16>(a); break;
+    default: attention_all<32>(a); break;
   }
   return out;
 }
