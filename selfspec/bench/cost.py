@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import torch
 
 from selfspec.runtime import cache as kv
-from selfspec.runtime.kernels import cpu_signature, cpuinfo_fields, linear_backend
+from selfspec.runtime.kernels import cpu_signature, linear_backend
+from selfspec.runtime.skinny import cpuinfo_fields
 
 
 def describe_cpu(cpuinfo: str | None = None) -> str | None:

@@ -384,32 +384,12 @@ PREFILL_PROBE = 128
 _CHOICES_FILE = "backend-choices.json"
 
 
-def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
-    """The first processor's ``key: value`` fields of ``/proc/cpuinfo`` (or of ``text``); empty where there is none."""
-    if text is None:
-        from pathlib import Path
-
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return {}
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            if fields:
-                break  # a blank line ends the first processor's block
-            continue
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
 def cpu_signature() -> dict:
     """What decides which kernels win: the processor's model name and vector extensions, the core count torch
     uses, and the torch build."""
     import platform
 
-    fields = cpuinfo_fields()
+    fields = skinny.cpuinfo_fields()
     name = fields.get("model name") or platform.processor() or platform.machine()
     flags = set(fields.get("flags", "").split())
     vector = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",

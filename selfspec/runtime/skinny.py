@@ -42,14 +42,31 @@ _module = None
 _error: str | None = None
 
 
+def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
+    """The first processor's ``key: value`` fields of ``/proc/cpuinfo`` (or of ``text``); empty where there is none.
+    The one reader of that file: the build key (``_cpu_flags``), ``kernels.cpu_signature`` and the CPU names figures
+    carry (``selfspec.bench.cost.describe_cpu``)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # a blank line ends the first processor's block
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The vector extensions a build is for (x86 ``flags``, Arm ``Features``): part of the build key."""
+    fields = cpuinfo_fields()
+    flags = fields.get("flags") or fields.get("Features")
+    return f"flags: {flags}" if flags else platform.processor()
 
 
 # Every multiply-add of the kernels is one fused multiply-add wherever the ISA has it, in every tile shape. GCC's
