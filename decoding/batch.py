@@ -229,7 +229,7 @@ def generate_batch(
                 verdict = verify.greedy(tree, logits)
             else:
                 verdict = verify.speculative(tree, logits, sampling, generators[r])
-            step_tokens = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]
+            step_tokens = [tree.token_list[i] for i in verdict.accepted] + [verdict.next_token]
             for j, token in enumerate(step_tokens):
                 if token in eos:
                     step_tokens, done[r] = step_tokens[:j + 1], True

@@ -310,7 +310,7 @@ def generate(
             verdict = verify.speculative(tree, logits, sampling, generator)
         else:
             verdict = verify.typical(tree, logits, sampling, generator)
-        step_tokens = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]
+        step_tokens = [tree.token_list[i] for i in verdict.accepted] + [verdict.next_token]
 
         # 5. Stop at EOS or the budget, then keep only prefix + root + accepted nodes in the cache.
         for i, token in enumerate(step_tokens):

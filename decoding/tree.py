@@ -88,6 +88,11 @@ class DraftTree:
         return self.parents.tolist()
 
     @cached_property
+    def token_list(self) -> list[int]:
+        """``tokens`` as a Python list (what acceptance walks)."""
+        return self.tokens.tolist()
+
+    @cached_property
     def token_paths(self) -> list[tuple[int, ...]]:
         """Per node, the tokens on the path from the root down to it, itself included (the root's token is not)."""
         paths: list[tuple[int, ...]] = []
@@ -96,29 +101,31 @@ class DraftTree:
         return paths
 
     @cached_property
-    def depth(self) -> torch.Tensor:
-        """``[n]`` depth of each node; children of the root have depth 1."""
+    def _depth_list(self) -> list[int]:
         depth: list[int] = []
         for p in self._parents_list:
             depth.append(1 if p == ROOT else depth[p] + 1)
-        return torch.tensor(depth, dtype=torch.long)
+        return depth
 
     @cached_property
-    def max_depth(self) -> int:
-        return int(self.depth.max()) if len(self) else 0
+    def depth(self) -> torch.Tensor:
+        """``[n]`` depth of each node; children of the root have depth 1."""
+        return torch.tensor(self._depth_list, dtype=torch.long)
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """``[n + 1, n + 1]`` bool, root at index 0: ``mask[i, j]`` is True when ``j`` is ``i`` or an ancestor of ``i``."""
         n = len(self)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        mask[0, 0] = True
+        rows = [[True] + [False] * n]  # built as lists, one tensor at the end: a row copy per node cost a tensor op
         for i, p in enumerate(self._parents_list):
-            if p != ROOT:
-                mask[i + 1] = mask[p + 1]
-            mask[i + 1, i + 1] = True
-        return mask
+            row = rows[p + 1].copy()  # the parent's row (the root's for -1), then the node itself
+            row[i + 1] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool)
+
+    @cached_property
+    def max_depth(self) -> int:
+        return max(self._depth_list, default=0)
 
     @cached_property
     def children(self) -> list[list[int]]:

@@ -152,7 +152,7 @@ class EagleDrafter(DrafterBase):
         if new > 1:  # query i sees the earlier positions and itself
             keys = torch.arange(start + new, device=device)
             mask = (keys[None, :] <= positions[0, :, None])[None, None]
-        dtype = next(self.draft.parameters()).dtype
+        dtype = self.draft.fc.weight.dtype
         out = self.draft.step(self.draft.fuse([a.to(dtype) for a in aux]), next_ids, positions, mask, self.cache)
         self.last = out[:, -1:]
 

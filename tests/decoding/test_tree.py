@@ -97,3 +97,29 @@ def test_greedy_verification_takes_the_first_maximal_token_as_argmax_does():
         tree.tokens[:] = logits.argmax(-1)[tree.parents + 1]  # every node right: the deepest path is taken
         verdict = verify.greedy(tree, logits)
         assert verdict.accepted == [0, 1, 3] and verdict.next_token == int(logits.argmax(-1)[4])
+
+
+def test_greedy_verification_takes_the_deepest_correct_path_and_the_lowest_node_on_ties():
+    """Random trees whose siblings often repeat a token (so several paths can be right at once), against every node
+    checked on its own: the accepted node is the deepest whose whole root path holds the argmax of each parent's row
+    (the lowest index among equally deep ones), and the next token is that node's argmax."""
+    import random
+
+    from decoding import verify
+
+    rng = random.Random(0)
+    for trial in range(400):
+        n, vocab = rng.randint(1, 24), rng.choice([3, 5, 50])
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        logits = torch.randn(n + 1, vocab, generator=torch.Generator().manual_seed(trial))
+        target = logits.argmax(-1).tolist()
+        tokens = [target[p + 1] if rng.random() < 0.7 else rng.randrange(vocab) for p in parents]
+        verdict = verify.greedy(DraftTree(torch.tensor(tokens), torch.tensor(parents)), logits)
+
+        def path(i):
+            return path(parents[i]) + [i] if i >= 0 else []
+
+        right = [i for i in range(n) if all(tokens[j] == target[parents[j] + 1] for j in path(i))]
+        best = min(right, key=lambda i: (-len(path(i)), i)) if right else -1
+        assert verdict.accepted == path(best), trial
+        assert verdict.next_token == target[best + 1], trial
