@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=int, default=64, help="responses per shard file")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model generates: cpu (default) or cuda (a GPU answers thousands of prompts a "
+                             "minute at --batch-size 512; scripts/gpu_train_eagle.sh does so)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no new shard after this many minutes (the run so far is kept; rerun to resume)")
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     with tqdm(total=args.num_prompts, desc="prompts", unit="prompt", disable=args.prompts != "self") as bar:
         prompts = D.resolve_prompts(args.prompts, model, tokenizer, out, num_prompts=args.num_prompts,
                                     max_new_tokens=args.prompt_max_new_tokens, batch_size=args.batch_size,
