@@ -24,12 +24,15 @@ def lossless_cell(entry: dict) -> str:
 
 
 def markdown_table(results: dict) -> str:
-    """One row per method: tokens/s, speedup over vanilla, tau, identical outputs and where the time went."""
+    """One row per method: tokens/s, speedup over vanilla (and its 95% interval over the prompts), tau, identical
+    outputs and where the time went."""
     lines = ["| method | tokens/s | speedup | tau | first-token acceptance | draft ms/token | identical to vanilla "
              "| time per phase (s) |", "|---|---:|---:|---:|---:|---:|---|---|"]
     for name, e in results["methods"].items():
         phases = ", ".join(f"{k} {v:.2f}" for k, v in e["time_per_phase"].items()) or "-"
-        lines.append(f"| {name} | {_fmt(e['tokens_per_s'])} | {_fmt(e['speedup'])}x | {_fmt(e['tau'])} | "
+        interval = e.get("speedup_ci")
+        speedup = f"{_fmt(e['speedup'])}x" + (f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else "")
+        lines.append(f"| {name} | {_fmt(e['tokens_per_s'])} | {speedup} | {_fmt(e['tau'])} | "
                      f"{_fmt(e.get('first_token_acceptance'))} | {_fmt(e.get('draft_ms_per_token'))} | "
                      f"{lossless_cell(e)} | {phases} |")
     return "\n".join(lines) + "\n"
@@ -98,7 +101,11 @@ def plot_results(results: dict, path: Path) -> None:
     axes = fig.subplots(1, 3)
     for ax, key, title in zip(axes, ("tokens_per_s", "speedup", "tau"), ("tokens/s", "speedup over vanilla", "tau")):
         values = [e[key] or 0.0 for e in entries]
-        ax.bar(range(len(names)), values, color="tab:blue")
+        errors = None
+        if key == "speedup" and any(e.get("speedup_ci") for e in entries):  # the 95% interval over the prompts
+            errors = [[v - e["speedup_ci"][0] if e.get("speedup_ci") else 0.0 for v, e in zip(values, entries)],
+                      [e["speedup_ci"][1] - v if e.get("speedup_ci") else 0.0 for v, e in zip(values, entries)]]
+        ax.bar(range(len(names)), values, color="tab:blue", yerr=errors, capsize=3 if errors else 0)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
         if key == "speedup":

@@ -195,6 +195,9 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
             phases["other"] = max(seconds - sum(phases.values()), 0.0)
         entry = {
             "tokens_per_s": speed, "tau": mean_tau(gens), "speedup": speed / ref_speed if ref_speed else None,
+            # 95% paired bootstrap over the prompts (None for vanilla itself)
+            "speedup_ci": (speedup_interval(gens, run.generations[REFERENCE])
+                           if ref_speed and name != REFERENCE else None),
             "new_tokens": sum(len(g.tokens) for g in gens), "seconds": seconds,
             "steps": sum(g.steps for g in gens) if all(g.steps for g in gens) else None,
             "time_per_phase": phases,
@@ -260,6 +263,31 @@ def _sum_counts(counts: Sequence[dict[str, int] | None]) -> dict[str, int] | Non
 def tokens_per_s(gens: Sequence[Generation]) -> float:
     seconds = sum(g.seconds for g in gens)
     return sum(len(g.tokens) for g in gens) / seconds if seconds > 0 else 0.0
+
+
+def speedup_interval(gens: Sequence[Generation | dict], reference: Sequence[Generation | dict], *,
+                     level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A ``level`` confidence interval of the speedup over ``reference`` (tokens/s over tokens/s, each total new
+    tokens over total seconds, as the reported speedup), by a paired bootstrap over the prompts: the same resampled
+    prompts for both, since each prompt ran every method side by side. It covers what varies from prompt to prompt
+    and within the run (a VM's drift over its minutes); a whole rerun, on another day of the same VM, can move
+    further. None for fewer than two prompts. Seeded: the same results give the same interval. Each item is a
+    ``Generation`` or a results.json ``per_prompt`` entry (``new_tokens``, ``seconds``), so a saved run's interval
+    can be computed again from its file."""
+    if len(gens) < 2 or len(gens) != len(reference):
+        return None
+
+    def counts(g) -> tuple[float, float]:
+        return (float(g["new_tokens"]), g["seconds"]) if isinstance(g, dict) else (float(len(g.tokens)), g.seconds)
+
+    pairs = torch.tensor([[*counts(g), *counts(r)] for g, r in zip(gens, reference)], dtype=torch.float64)
+    tokens, seconds = pairs[:, 0::2], pairs[:, 1::2]
+    picks = torch.randint(len(gens), (resamples, len(gens)), generator=torch.Generator().manual_seed(seed))
+    speed = tokens[picks].sum(1) / seconds[picks].sum(1)  # [resamples, 2]: the method's and the reference's
+    ratios = (speed[:, 0] / speed[:, 1]).sort().values
+    tail = (1.0 - level) / 2
+    low, high = ratios[int(tail * (resamples - 1))], ratios[int((1.0 - tail) * (resamples - 1))]
+    return [float(low), float(high)]
 
 
 def mean_tau(gens: Sequence[Generation]) -> float | None:

@@ -59,8 +59,10 @@ def test_bench_cli_writes_results_schema(tmp_path):
         assert entry["identical"] == entry["total"] == 2, name  # every correct method equals vanilla
         assert entry["divergences"] == [] and entry["tokens_per_s"] > 0
         assert entry["new_tokens"] == 16
-    assert results["methods"]["vanilla"]["speedup"] == 1.0
+    assert results["methods"]["vanilla"]["speedup"] == 1.0 and results["methods"]["vanilla"]["speedup_ci"] is None
     assert results["methods"]["vanilla"]["tau"] == 1.0
+    low, high = results["methods"]["none"]["speedup_ci"]
+    assert low <= results["methods"]["none"]["speedup"] <= high
     assert results["methods"][medusa_name]["tau"] > 1.0  # random heads still get some tokens accepted
     assert {"prefill", "draft", "verify", "accept", "compact", "observe", "other"} == set(results["methods"]["none"]["time_per_phase"])
     assert results["config"]["max_new_tokens"] == 8 and results["config"]["num_prompts"] == 2
@@ -423,3 +425,22 @@ def test_two_draft_weight_formats_compare_in_one_run(tmp_path, monkeypatch):
     assert all(results[spec]["identical"] == 2 for spec in specs)
     with pytest.raises(ValueError, match="draft weights: float16, float32, q8_0, q4_1"):
         parse_method(f"eagle:{heads}@q5")
+
+
+def test_speedup_interval_is_a_paired_bootstrap_over_the_prompts():
+    """The interval brackets the reported speedup (total tokens over total seconds against vanilla's), collapses to a
+    point when every prompt gains alike, widens with the spread between prompts, and is reproducible."""
+    def gens(seconds, tokens=100):
+        return [Generation(list(range(tokens)), s) for s in seconds]
+
+    vanilla = gens([1.0, 2.0, 1.5, 1.0, 3.0, 2.5])
+    alike = gens([0.5, 1.0, 0.75, 0.5, 1.5, 1.25])  # 2x on every prompt
+    assert bench.speedup_interval(alike, vanilla) == pytest.approx([2.0, 2.0])
+    mixed = gens([0.4, 1.9, 0.5, 0.9, 1.0, 2.4])  # 2.5x, 1.05x, 3x, 1.1x, 3x, 1.04x
+    point = bench.tokens_per_s(mixed) / bench.tokens_per_s(vanilla)
+    low, high = bench.speedup_interval(mixed, vanilla)
+    assert low < point < high and high - low > 0.3
+    assert bench.speedup_interval(mixed, vanilla) == [low, high]  # seeded
+    narrow = bench.speedup_interval(mixed, vanilla, level=0.5)
+    assert low <= narrow[0] <= narrow[1] <= high
+    assert bench.speedup_interval(mixed[:1], vanilla[:1]) is None  # one prompt: no spread to resample
