@@ -178,3 +178,17 @@ def test_debug_shows_the_traceback(capsys):
             main(argv)
     assert main([*TINY_MEDUSA, "optim.lr=abc"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy,warned", [("passive", True), (" PASSIVE", True), ("active", False), (None, False)])
+def test_a_thread_pool_that_sleeps_between_calls_is_named_before_any_work(policy, warned, capsys, monkeypatch):
+    """``OMP_WAIT_POLICY=passive`` halves decoding speed (its threads sleep after each of a step's dozens of parallel
+    calls): every command says so on stderr, with the fix, and goes on."""
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert main(GENERATE) == 2  # the unknown model: the warning comes first, then the command runs as it would
+    err = capsys.readouterr().err
+    assert ("warning: OMP_WAIT_POLICY=passive" in err and "Unset it" in err) == warned
+    assert "no-such-model-anywhere" in err
