@@ -305,12 +305,11 @@ def build(wheels: Path, answers: Path | None, seed: int = 20261205) -> list[dict
     out += [("humanities", rng.choice(FORMER_COUNTRY_TEMPLATES).format(c=c)) for c in former]
     out += [("humanities", rng.choice(LANGUAGE_TEMPLATES).format(l=lang)) for lang in languages * 2]
     out += [("humanities", rng.choice(HUMANITIES_TEMPLATES).format(h=h, i=rng.choice(HUMANITIES))) for h in HUMANITIES * 7]
-    seen, records = set(), []
-    for i, (source, prompt) in enumerate(out):
-        if prompt not in seen:
-            seen.add(prompt)
-            records.append({"id": f"{source}-{i}", "source": source,
-                            "conversations": [{"from": "human", "value": prompt}]})
+    # imported only now: the code prompts depend on what this process has imported before them (importing the
+    # project first gave 6,475 prompts instead of 6,480, a different set)
+    from selfspec.training.data import prompt_records
+
+    records = prompt_records(out)
     rng.shuffle(records)
     return records
 

@@ -23,26 +23,18 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-
-def _first_human_turn(record: dict) -> str | None:
-    for turn in record.get("conversations") or []:
-        if turn.get("from") in ("human", "user"):
-            return turn.get("value")
-    turns = record.get("turns")  # MT-bench / Spec-Bench questions
-    return turns[0] if turns else record.get("prompt")
+from selfspec.runtime.prompts import read_prompts
+from selfspec.training.data import prompt_records, prompts_from_source
+from selfspec.training.task_prompts import task_prompts
 
 
-def _prompts_of(path: Path) -> list[str]:
-    """Every first user turn in a JSONL file, or in the answered shards (``shard-*.jsonl``) of a corpus directory."""
-    files = sorted(path.glob("shard-*.jsonl")) if path.is_dir() else [path]
-    out = []
-    for file in files:
-        for line in file.read_text().splitlines():
-            if line.strip():
-                prompt = _first_human_turn(json.loads(line))
-                if prompt:
-                    out.append(prompt)
-    return out
+def _prompts_of(path: str) -> list[str]:
+    """The user prompts of a corpus directory (its answered shards), a ShareGPT prompt file, or an MT-bench /
+    Spec-Bench question file (first turns)."""
+    try:
+        return [p["prompt"] for p in prompts_from_source(path)]
+    except ValueError:  # not a dataset format the training data loader reads: a question file
+        return [p["prompt"] for p in read_prompts(path)]
 
 
 def chitchat_turns(wheels: Path, per_conversation: int, rng: random.Random) -> list[str]:
@@ -72,10 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-prompts", type=int, default=4000, help="task-template prompts wanted (new ones)")
     parser.add_argument("--seed", type=int, default=20261207)
     args = parser.parse_args(argv)
-    from selfspec.training.task_prompts import task_prompts
-
     rng = random.Random(args.seed)
-    answered = {p for path in args.exclude for p in _prompts_of(Path(path))}
+    answered = {p for path in args.exclude for p in _prompts_of(path)}
     sources: list[tuple[str, str]] = [("chitchat", t) for t in chitchat_turns(Path(args.wheels),
                                                                                 args.turns_per_conversation, rng)]
     tasks: list[str] = []
@@ -86,13 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             break
     sources += [("tasks", p) for p in tasks[:args.task_prompts]]
     for path in args.include:
-        sources += [(Path(path).parent.name, p) for p in _prompts_of(Path(path))]
-    seen, records = set(answered), []
-    for i, (source, prompt) in enumerate(sources):
-        if prompt not in seen:
-            seen.add(prompt)
-            records.append({"id": f"pool-{source}-{i}", "source": source,
-                            "conversations": [{"from": "human", "value": prompt}]})
+        sources += [(Path(path).parent.name, p) for p in _prompts_of(path)]
+    records = prompt_records(sources, skip=answered, id_prefix="pool-")
     rng.shuffle(records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -365,6 +365,20 @@ def prompts_from_source(source: str | list[str], num_prompts: int | None = None)
     return out
 
 
+def prompt_records(sourced: list[tuple[str, str]], *, skip: set[str] | frozenset[str] = frozenset(),
+                   id_prefix: str = "") -> list[dict]:
+    """``(source, prompt)`` pairs as a prompt file's ShareGPT records (``{"id", "source", "conversations": [the
+    human turn]}``, what ``distill`` answers), the first of each prompt kept and any in ``skip`` left out; ids are
+    ``{id_prefix}{source}-{position in sourced}``, so they stay put when other sources grow."""
+    seen, records = set(skip), []
+    for i, (source, prompt) in enumerate(sourced):
+        if prompt not in seen:
+            seen.add(prompt)
+            records.append({"id": f"{id_prefix}{source}-{i}", "source": source,
+                            "conversations": [{"from": "human", "value": prompt}]})
+    return records
+
+
 def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_prompts: int | None = None,
                     max_new_tokens: int = 48, temperature: float = 1.0, batch_size: int = 16, seed: int = 0,
                     progress=None) -> list[dict]:
