@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.runtime.cache import new_cache
+from selfspec.runtime.cache import new_cache, select_rows
 from selfspec.runtime.io import atomic_write_text
 from selfspec.training.task_prompts import task_prompts
 
@@ -299,34 +299,88 @@ def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_toke
                      temperature: float = 0.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
                      seed: int = 0, progress=None) -> list[list[int]]:
     """Continuations of token-id prompts, batched with left padding (prompts sorted by length to limit padding).
-    Greedy when ``temperature`` is 0. Returns the new tokens of each prompt, in input order, stop token excluded."""
+    Greedy when ``temperature`` is 0 (``greedy_rows``: finished rows leave the batch); sampled otherwise, through
+    HF ``generate``. Returns the new tokens of each prompt, in input order, stop token excluded."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_token_ids or [tokenizer.eos_token_id]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, i in enumerate(chunk):
-            input_ids[row, width - len(prompts[i]):] = torch.as_tensor(prompts[i])
-            attention_mask[row, width - len(prompts[i]):] = 1
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(
-            do_sample=False, temperature=None, top_p=None, top_k=None)
-        torch.manual_seed(seed + start)
-        # Preallocated cache layers: stock ones copy the whole batch's cache at every step (selfspec.runtime.cache).
-        cache = new_cache(model, capacity=width + max_new_tokens)
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
-                             cache=cache, **sampling)
-        for row, i in enumerate(chunk):
-            new = out[row, width:].tolist()
-            cut = next((j for j, t in enumerate(new) if t in stops), len(new))
-            results[i] = new[:cut]
+        if temperature > 0:
+            input_ids, attention_mask = _left_padded([prompts[i] for i in chunk], pad)
+            torch.manual_seed(seed + start)
+            # Preallocated cache layers: stock ones copy the whole batch's cache at every step (selfspec.runtime.cache).
+            cache = new_cache(model, capacity=input_ids.shape[1] + max_new_tokens)
+            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                                 max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, cache=cache,
+                                 do_sample=True, temperature=temperature, top_p=top_p)
+            new_rows = [_cut(row, stops) for row in out[:, input_ids.shape[1]:].tolist()]
+        else:
+            new_rows = greedy_rows(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, stops=stops,
+                                   pad=pad)
+        for i, new in zip(chunk, new_rows):
+            results[i] = new
         if progress is not None:
             progress(len(chunk))
     return results
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt):] = 1
+    return input_ids, attention_mask
+
+
+def _cut(tokens: list[int], stops) -> list[int]:
+    return tokens[:next((j for j, t in enumerate(tokens) if t in stops), len(tokens))]
+
+
+@torch.inference_mode()
+def greedy_rows(model, prompts: list[list[int]], *, max_new_tokens: int, stops: list[int], pad: int) -> list[list[int]]:
+    """Greedy continuations of token-id prompts decoded as one left-padded batch, the stop token excluded, as HF
+    ``generate(do_sample=False)`` makes them (same mask, positions and argmax), except that rows which stopped
+    leave the batch and its cache: ``generate`` keeps computing every row until the last one stops, which on
+    self-distillation data (answers of ~200 tokens cut at 256) is a quarter of the work. Rows leave in groups (an
+    eighth of the batch at least, or all at once), as each removal copies the whole cache."""
+    input_ids, attention_mask = _left_padded(prompts, pad)
+    device = model.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    cache = new_cache(model, capacity=input_ids.shape[1] + max_new_tokens)
+    stop_ids = torch.tensor(sorted(set(stops)), device=device)
+    rows = list(range(len(prompts)))  # the prompt of each batch row
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finished: set[int] = set()  # batch rows that stopped but have not left yet
+    positions = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+    step_ids = input_ids
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = logits.argmax(-1)
+        done = torch.isin(tokens, stop_ids)
+        for row, (token, stop) in enumerate(zip(tokens.tolist(), done.tolist())):
+            if row in finished:
+                continue
+            if stop:
+                finished.add(row)
+            else:
+                outputs[rows[row]].append(token)
+        if len(finished) == len(rows):
+            break
+        if finished and len(finished) >= max(1, len(rows) // 8):
+            keep = [r for r in range(len(rows)) if r not in finished]
+            select_rows(cache, keep)
+            index = torch.tensor(keep, device=device)
+            tokens, attention_mask, positions = tokens[index], attention_mask[index], positions[index]
+            rows, finished = [rows[r] for r in keep], set()
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        step_ids = tokens[:, None]
+    return outputs
 
 
 def self_generated_prompts(model, tokenizer, num_prompts: int, *, max_new_tokens: int = 48, batch_size: int = 16,
@@ -436,6 +490,13 @@ def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_n
         progress(len(prompts) - len(todo))
     encoded = [_template_ids(tokenizer, [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
                for p in todo]
+    # Length-sorted within windows of 8 shards: a batch pads every prompt to its longest, and within one shard of
+    # mixed prompts that doubled the prefill (1.9x the prompt tokens in shards of 512 at batch 128; 1.1x sorted over
+    # 4,096). Windows keep a time-boxed run's answers spread over the prompt order rather than the shortest first.
+    window = 8 * shard_size
+    order = [i for w in range(0, len(todo), window)
+             for i in sorted(range(w, min(w + window, len(todo))), key=lambda i: len(encoded[i]))]
+    todo, encoded = [todo[i] for i in order], [encoded[i] for i in order]
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     for index, start in enumerate(range(0, len(todo), shard_size), start=len(shards)):
         if deadline is not None and time.monotonic() >= deadline:

@@ -6,6 +6,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 from selfspec.runtime.models import load_model
 from selfspec.runtime.tiny import byte_tokenizer
@@ -267,3 +268,29 @@ def test_eval_source_holds_out_another_dataset_and_trains_on_all_of_source(tmp_p
     train, held = prepare_examples(DataConfig(source=str(both), eval_source=str(other), eval_samples=3), model,
                                    tokenizer, tmp_path, None)
     assert len(train) == 6 and not any("other" in decode(e["input_ids"]) for e in train)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_rows_equal_hf_generate_while_stopped_rows_leave_the_batch(arch):
+    """Rows that stop leave the batch and its cache (in groups); every row's tokens stay those of HF ``generate``
+    on the same left-padded batch, cut at its first stop token. The stop token is one that some rows produce
+    early and others late or never, so rows leave at different steps, several times."""
+    model, tokenizer = load_model(f"tiny:{arch}")
+    generator = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (2, 9, 5, 17, 1, 12, 7, 4, 30)]
+    input_ids, mask = D._left_padded(prompts, pad=0)
+    reference = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                               pad_token_id=0, eos_token_id=None, temperature=None, top_p=None, top_k=None)
+    full = reference[:, input_ids.shape[1]:].tolist()
+    # the token most rows produce somewhere in their first 20: a stop that ends rows at different steps
+    counts = {}
+    for row in full:
+        for t in set(row[:20]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)
+    expected = [D._cut(row, [stop]) for row in full]
+    lengths = sorted({len(e) for e in expected})
+    assert len(lengths) >= 3 and lengths[-1] == 24, lengths  # rows stop at several steps, one never does
+    assert D.greedy_rows(model, prompts, max_new_tokens=24, stops=[stop], pad=0) == expected
+    assert D.greedy_rows(model, prompts[:1], max_new_tokens=24, stops=[stop], pad=0) == expected[:1]
