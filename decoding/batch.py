@@ -119,7 +119,7 @@ def generate_batch(
         ValueError: no prompts, an empty prompt, ids outside the vocabulary, a prompt + ``max_new_tokens`` beyond the
             context, a drafter that writes into the base cache, or a model with sliding-window layers.
     """
-    rows_in = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    rows_in = [torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu() for p in prompts]  # prompts on any device
     if isinstance(drafter, (list, tuple)):
         if len(drafter) != len(rows_in):
             raise ValueError(f"{len(drafter)} drafters for {len(rows_in)} prompts: give one per prompt, or one to fork")

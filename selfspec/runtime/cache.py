@@ -214,11 +214,12 @@ def crop(cache, length: int, layers: range | None = None) -> None:
 def select_rows(cache, rows: list[int]) -> None:
     """Keep only batch rows ``rows`` (in that order) of every layer (rows that finished leave a batch)."""
     for layer in _layers(cache):
-        index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
+        keys = getattr(layer, "keys", None)
+        index = torch.tensor(rows, dtype=torch.long, device=keys.device if keys is not None else "cpu")
         if isinstance(layer, BufferedLayer):
             layer.select_rows(index)
-        else:
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        else:  # transformers' own layers (sliding-window, indexed, linear-attention, dummy) select their own state
+            layer.batch_select_indices(index)
 
 
 def move_entries(cache, moves: list[tuple[int, int, int]]) -> None:

@@ -299,31 +299,52 @@ def generate_batched(model, tokenizer, prompts: list[list[int]], *, max_new_toke
                      temperature: float = 0.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
                      seed: int = 0, progress=None) -> list[list[int]]:
     """Continuations of token-id prompts, batched with left padding (prompts sorted by length to limit padding).
-    Greedy when ``temperature`` is 0 (``greedy_rows``: finished rows leave the batch); sampled otherwise, through
-    HF ``generate``. Returns the new tokens of each prompt, in input order, stop token excluded."""
+    Greedy when ``temperature`` is 0 (``greedy_rows``: finished rows leave the batch; HF ``generate`` where the
+    model's generation config has logits processors), sampled through HF ``generate`` otherwise. Returns the new
+    tokens of each prompt, in input order, stop token excluded."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_token_ids or [tokenizer.eos_token_id]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        if temperature > 0:
+        if temperature == 0 and not logits_processors_of(model):
+            new_rows = greedy_rows(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, stops=stops,
+                                   pad=pad)
+        else:
             input_ids, attention_mask = _left_padded([prompts[i] for i in chunk], pad)
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(
+                do_sample=False, temperature=None, top_p=None, top_k=None)
             torch.manual_seed(seed + start)
             # Preallocated cache layers: stock ones copy the whole batch's cache at every step (selfspec.runtime.cache).
             cache = new_cache(model, capacity=input_ids.shape[1] + max_new_tokens)
             out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                                  max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, cache=cache,
-                                 do_sample=True, temperature=temperature, top_p=top_p)
+                                 **sampling)
             new_rows = [_cut(row, stops) for row in out[:, input_ids.shape[1]:].tolist()]
-        else:
-            new_rows = greedy_rows(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, stops=stops,
-                                   pad=pad)
         for i, new in zip(chunk, new_rows):
             results[i] = new
         if progress is not None:
             progress(len(chunk))
     return results
+
+
+#: generation-config fields by which HF ``generate`` changes greedy choices, with the values that leave them alone
+_PROCESSOR_DEFAULTS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+                       "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
+                       "min_new_tokens": (None, 0), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+                       "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
+                       "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False),
+                       "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "guidance_scale": (None, 1.0)}
+
+
+def logits_processors_of(model) -> list[str]:
+    """The fields of ``model.generation_config`` by which HF greedy ``generate`` departs from a plain argmax (a
+    repetition penalty, suppressed tokens, a minimum length...); ``greedy_rows`` applies none, so a model with any
+    decodes through ``generate``."""
+    config = getattr(model, "generation_config", None)
+    return [name for name, defaults in _PROCESSOR_DEFAULTS.items()
+            if getattr(config, name, None) not in defaults]
 
 
 def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,7 +367,11 @@ def greedy_rows(model, prompts: list[list[int]], *, max_new_tokens: int, stops: 
     ``generate(do_sample=False)`` makes them (same mask, positions and argmax), except that rows which stopped
     leave the batch and its cache: ``generate`` keeps computing every row until the last one stops, which on
     self-distillation data (answers of ~200 tokens cut at 256) is a quarter of the work. Rows leave in groups (an
-    eighth of the batch at least, or all at once), as each removal copies the whole cache."""
+    eighth of the batch at least, or all at once), as each removal copies the whole cache.
+
+    Plain left-padded decoding for every architecture ``generate`` serves, sliding windows included;
+    ``decoding.generate_batch(model, None, ...)`` also decodes plainly, on a right-ragged cache, but refuses models
+    with sliding-window layers (its cache cannot be ragged there)."""
     input_ids, attention_mask = _left_padded(prompts, pad)
     device = model.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -472,6 +497,22 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _length_dealt(lengths: list[int], batch_size: int, shard_size: int, shards_per_window: int = 8) -> list[int]:
+    """An order of prompts (by their token ``lengths``) whose shards batch with little padding yet each span every
+    length. A batch pads every prompt to its longest: in shards of 512 mixed prompts at batch 128 that was 1.9x the
+    prompt tokens. Within each window of ``shards_per_window`` shards the prompts are sorted by length, cut into
+    blocks of ``batch_size``, and the blocks dealt to the window's shards in turn: every batch is of one length
+    band (1.1x), and a time-boxed run still answers short and long prompts alike, not the shortest first."""
+    window = shards_per_window * shard_size
+    order: list[int] = []
+    for w in range(0, len(lengths), window):
+        ranked = sorted(range(w, min(w + window, len(lengths))), key=lengths.__getitem__)
+        blocks = [ranked[b:b + batch_size] for b in range(0, len(ranked), batch_size)]
+        shards = -(-len(ranked) // shard_size)
+        order += [i for turn in range(shards) for block in blocks[turn::shards] for i in block]
+    return order
+
+
 def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_new_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, shard_size: int = 64, seed: int = 0,
             progress=None, max_minutes: float | None = None) -> Path:
@@ -490,12 +531,7 @@ def distill(model, tokenizer, prompts: list[dict], out_dir: str | Path, *, max_n
         progress(len(prompts) - len(todo))
     encoded = [_template_ids(tokenizer, [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
                for p in todo]
-    # Length-sorted within windows of 8 shards: a batch pads every prompt to its longest, and within one shard of
-    # mixed prompts that doubled the prefill (1.9x the prompt tokens in shards of 512 at batch 128; 1.1x sorted over
-    # 4,096). Windows keep a time-boxed run's answers spread over the prompt order rather than the shortest first.
-    window = 8 * shard_size
-    order = [i for w in range(0, len(todo), window)
-             for i in sorted(range(w, min(w + window, len(todo))), key=lambda i: len(encoded[i]))]
+    order = _length_dealt(list(map(len, encoded)), batch_size, shard_size)
     todo, encoded = [todo[i] for i in order], [encoded[i] for i in order]
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     for index, start in enumerate(range(0, len(todo), shard_size), start=len(shards)):

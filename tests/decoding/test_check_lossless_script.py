@@ -39,6 +39,21 @@ def test_a_decoder_that_goes_wrong_is_reported_and_fails(monkeypatch, capsys):
     assert "cases differ" in capsys.readouterr().out
 
 
+def test_a_batch_that_goes_wrong_is_reported_and_fails(monkeypatch, capsys):
+    script = load_script("check_lossless")
+    real = script.generate_batch
+
+    def one_row_off(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.sequences[1] = out.sequences[1].clone()
+        out.sequences[1][0, -1] = (out.sequences[1][0, -1] + 1) % 96
+        return out
+
+    monkeypatch.setattr(script, "generate_batch", one_row_off)
+    assert script.main(["--device", "cpu", "--arch", "qwen3"]) == 1
+    assert "eagle, prompts as one batch    2/3" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error(capsys):
     script = load_script("check_lossless")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from selfspec.runtime.models import load_model
-from selfspec.runtime.tiny import byte_tokenizer
+from selfspec.runtime.tiny import byte_tokenizer, tiny_gemma3
 from selfspec.training import data as D
 
 
@@ -270,12 +270,12 @@ def test_eval_source_holds_out_another_dataset_and_trains_on_all_of_source(tmp_p
     assert len(train) == 6 and not any("other" in decode(e["input_ids"]) for e in train)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
 def test_greedy_rows_equal_hf_generate_while_stopped_rows_leave_the_batch(arch):
     """Rows that stop leave the batch and its cache (in groups); every row's tokens stay those of HF ``generate``
     on the same left-padded batch, cut at its first stop token. The stop token is one that some rows produce
     early and others late or never, so rows leave at different steps, several times."""
-    model, tokenizer = load_model(f"tiny:{arch}")
+    model = tiny_gemma3() if arch == "gemma3" else load_model(f"tiny:{arch}")[0]  # gemma3: sliding-window layers
     generator = torch.Generator().manual_seed(3)
     vocab = model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (2, 9, 5, 17, 1, 12, 7, 4, 30)]
@@ -294,3 +294,48 @@ def test_greedy_rows_equal_hf_generate_while_stopped_rows_leave_the_batch(arch):
     assert len(lengths) >= 3 and lengths[-1] == 24, lengths  # rows stop at several steps, one never does
     assert D.greedy_rows(model, prompts, max_new_tokens=24, stops=[stop], pad=0) == expected
     assert D.greedy_rows(model, prompts[:1], max_new_tokens=24, stops=[stop], pad=0) == expected[:1]
+    # every row stopping at its first token, and the shortest budgets
+    firsts = sorted({row[0] for row in full})
+    assert D.greedy_rows(model, prompts, max_new_tokens=24, stops=firsts, pad=0) == [[] for _ in prompts]
+    assert D.greedy_rows(model, prompts, max_new_tokens=1, stops=[stop], pad=0) == [D._cut(r[:1], [stop]) for r in full]
+    assert D.greedy_rows(model, prompts, max_new_tokens=0, stops=[stop], pad=0) == [[] for _ in prompts]
+
+
+def test_a_model_whose_generation_config_changes_greedy_choices_distills_through_generate():
+    """A repetition penalty (Qwen2.5-Instruct ships one) is applied by HF ``generate``, not by ``greedy_rows``:
+    such a model's greedy answers come from ``generate``, as before."""
+    model, tokenizer = load_model("tiny:llama")
+    prompts = [tokenizer("ab").input_ids, tokenizer("a much longer prompt").input_ids]
+    plain = D.generate_batched(model, tokenizer, prompts, max_new_tokens=12, batch_size=2)
+    assert D.logits_processors_of(model) == []
+    model.generation_config.repetition_penalty = 3.0
+    assert D.logits_processors_of(model) == ["repetition_penalty"]
+    penalised = D.generate_batched(model, tokenizer, prompts, max_new_tokens=12, batch_size=2)
+    input_ids, mask = D._left_padded(prompts, tokenizer.pad_token_id)
+    reference = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert penalised == [D._cut(row, [tokenizer.eos_token_id]) for row in reference[:, input_ids.shape[1]:].tolist()]
+    assert penalised != plain  # the penalty does change the answers: the test would see it ignored
+
+
+def test_prompts_are_dealt_to_shards_in_length_bands_that_span_every_length():
+    # skewed as prompts are (the pool's: mean 75 tokens, a few over 400)
+    lengths = [int(x) + 1 for x in 40 * torch.empty(1000).log_normal_(0, 0.8, generator=torch.Generator().manual_seed(0))]
+    order = D._length_dealt(lengths, batch_size=16, shard_size=64, shards_per_window=4)
+    assert sorted(order) == list(range(1000))
+    shards = [order[s:s + 64] for s in range(0, 1000, 64)]
+    for start in range(0, 12, 4):  # the full windows: each of their shards spans most of the window's lengths
+        window = sorted(lengths[i] for shard in shards[start:start + 4] for i in shard)
+        for shard in shards[start:start + 4]:
+            assert min(lengths[i] for i in shard) <= window[len(window) // 4]
+            assert max(lengths[i] for i in shard) >= window[3 * len(window) // 4]
+    padded = sum(len(batch) * max(lengths[i] for i in batch)
+                 for shard in shards for batch in _batches(sorted(shard, key=lengths.__getitem__), 16))
+    mixed = sum(len(batch) * max(lengths[i] for i in batch)
+                for s in range(0, 1000, 64) for batch in _batches(sorted(range(s, min(s + 64, 1000)),
+                                                                         key=lengths.__getitem__), 16))
+    assert padded < 0.75 * mixed  # (on the pool itself, at batch 128 and shards of 512: 1.9x -> 1.1x its tokens)
+
+
+def _batches(items, size):
+    return [items[b:b + size] for b in range(0, len(items), size)]
