@@ -3,6 +3,7 @@
     python scripts/self_distill.py --out runs/distilled --prompts builtin
     python scripts/self_distill.py --out runs/distilled --prompts self --num-prompts 256
     python scripts/self_distill.py --out runs/distilled --prompts data/alpaca.jsonl --max-new-tokens 256
+    python scripts/self_distill.py --out runs/mt-tune-answers --prompts mt_bench_1-40.jsonl --batch-size 40
 
 Greedy responses (the default) are exactly what greedy decoding will verify, so heads trained on them are
 accepted most often. Generation is batched with left padding (prompts length-sorted within windows of 8 shards;
@@ -29,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="alias, hub id, local path or tiny:<arch>")
     parser.add_argument("--out", required=True, help="output directory (shards are appended; rerun to resume)")
-    parser.add_argument("--prompts", default="builtin", help="builtin | self | a dataset file/dir/hub id")
+    parser.add_argument("--prompts", default="builtin", help="builtin | self | tasks:N | a dataset file/dir/hub id | an MT-bench / Spec-Bench question file "
+                             "(first turns; e.g. the model's own answers to held-out tuning prompts, for "
+                             "data.eval_source)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
     parser.add_argument("--prompt-max-new-tokens", type=int, default=48, help="length of self-generated prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="length limit of a response")

@@ -110,8 +110,15 @@ def _checked(value, tp, key: str):
     try:
         return convert(value, tp)
     except TypeError:
-        raise ValueError(f"config key {key}: expected {_describe(tp)}, got {value!r} (fix it in the YAML file or "
-                         f"override it: {key}=VALUE)") from None
+        hint = (" (YAML reads an unquoted yes/no/on/off/true/false as a boolean: quote the word, "
+                f"{key}=\"'{'yes' if value else 'no'}'\")" if isinstance(value, bool) and _takes_str(tp) else "")
+        raise ValueError(f"config key {key}: expected {_describe(tp)}, got {value!r}{hint} (fix it in the YAML file "
+                         f"or override it: {key}=VALUE)") from None
+
+
+def _takes_str(tp) -> bool:
+    """Whether field type ``tp`` accepts a string (``str``, or a union with ``str``)."""
+    return tp is str or (typing.get_origin(tp) in _UNIONS and str in typing.get_args(tp))
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -263,13 +270,16 @@ class OptimConfig:
     # no | bf16 | fp16, or None for accelerate's choice (`accelerate launch --mixed_precision`, default no). bf16 is
     # ~1.9x faster for the EAGLE drafter on a CPU with AVX512-BF16 or AMX (lscpu: avx512_bf16, amx_bf16) and slower
     # on one without; on GPUs it is the usual choice.
-    mixed_precision: str | None = None
+    # (YAML reads an unquoted ``no`` as false: ``optim.mixed_precision=no`` means "no", as in accelerate's configs.)
+    mixed_precision: str | bool | None = None
     # Batch examples of similar length (HF Trainer's group_by_length): each epoch's shuffled order is cut into
     # groups of 50 optimizer steps, sorted by length inside a group, and the group's batches shuffled again. Less
     # padding per batch (the EAGLE recipe's step costs its longest row x batch size); the same examples per epoch.
     group_by_length: bool = False
 
     def __post_init__(self):
+        if self.mixed_precision is False:
+            self.mixed_precision = "no"
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(f"optim.mixed_precision must be no, bf16, fp16 or null (accelerate's choice), got "
                              f"{self.mixed_precision!r}")

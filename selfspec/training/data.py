@@ -13,6 +13,7 @@ import torch
 
 from selfspec.runtime.cache import new_cache, select_rows
 from selfspec.runtime.io import atomic_write_text
+from selfspec.runtime.prompts import read_prompts
 from selfspec.training.task_prompts import task_prompts
 
 FORMATS = {
@@ -484,7 +485,17 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     if spec == "builtin":
         return [{"id": f"builtin-{i}", "prompt": p} for i, p in enumerate(BUILTIN_PROMPTS[:num_prompts])]
     if spec != "self":
-        return prompts_from_source(spec, num_prompts)
+        try:
+            return prompts_from_source(spec, num_prompts)
+        except ValueError:  # a question file (MT-bench, Spec-Bench: ``turns``) is no dataset: its first turns
+            if not Path(spec).is_file():
+                raise
+            try:
+                questions = read_prompts(spec, num_prompts)
+            except ValueError:
+                raise ValueError(f"{spec} is neither a dataset nor a question file (MT-bench / Spec-Bench "
+                                 "'turns', or 'prompt')") from None
+            return [{"id": str(q["id"]), "prompt": q["prompt"]} for q in questions]
     if not num_prompts:
         raise ValueError("self-generated prompts need a number of prompts (num_prompts)")
     path = Path(work_dir) / "prompts" / "self.jsonl"

@@ -128,3 +128,18 @@ def test_override_without_equals_and_missing_file(medusa):
         load_config(medusa.RecipeConfig, TINY, ["optim.lr"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(medusa.RecipeConfig, ROOT / "configs/medusa/nope.yaml")
+
+
+def test_unquoted_no_means_no_mixed_precision(medusa, tmp_path):
+    # YAML 1.1 reads an unquoted `no` as false; accelerate's configs and ours document `no`, so both spellings work.
+    assert load_config(medusa.RecipeConfig, TINY, ["optim.mixed_precision=no"]).optim.mixed_precision == "no"
+    assert load_config(medusa.RecipeConfig, TINY, ["optim.mixed_precision='no'"]).optim.mixed_precision == "no"
+    in_file = tmp_path / "no.yaml"
+    in_file.write_text(TINY.read_text().replace("\noptim:\n", "\noptim:\n  mixed_precision: no\n", 1))
+    assert "mixed_precision: no" in in_file.read_text()
+    assert load_config(medusa.RecipeConfig, in_file).optim.mixed_precision == "no"
+    with pytest.raises(ValueError, match="must be no, bf16, fp16"):
+        load_config(medusa.RecipeConfig, TINY, ["optim.mixed_precision=true"])
+    # Any other string key given a bare yes/no/on/off says how to quote it.
+    with pytest.raises(ValueError, match=r"data.format: expected a string, got False \(YAML reads an unquoted"):
+        load_config(medusa.RecipeConfig, TINY, ["data.format=no"])

@@ -149,6 +149,22 @@ def test_task_prompts_and_joined_prompt_specs(tmp_path):
         D.resolve_prompts("tasks", model, tokenizer, tmp_path)
 
 
+def test_question_files_are_prompts(tmp_path):
+    # MT-bench / Spec-Bench question files (first turns) are prompt sources too: self_distill answers them.
+    questions = tmp_path / "mt.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": 81 + i, "category": "writing",
+                                             "turns": [f"Question {i}?", "And a second turn."]}) + "\n"
+                                 for i in range(3)))
+    got = D.resolve_prompts(str(questions), None, None, tmp_path)
+    assert got == [{"id": "81", "prompt": "Question 0?"}, {"id": "82", "prompt": "Question 1?"},
+                   {"id": "83", "prompt": "Question 2?"}]
+    assert len(D.resolve_prompts(str(questions), None, None, tmp_path, num_prompts=2)) == 2
+    neither = tmp_path / "neither.jsonl"
+    neither.write_text(json.dumps({"title": "x"}) + "\n")
+    with pytest.raises(ValueError, match="neither a dataset nor a question file"):
+        D.resolve_prompts(str(neither), None, None, tmp_path)
+
+
 def test_batched_left_padded_generation_equals_one_at_a_time():
     model, tokenizer = load_model("tiny:llama")
     prompts = [tokenizer("ab").input_ids, tokenizer("a much longer prompt").input_ids]
