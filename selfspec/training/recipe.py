@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,11 @@ from selfspec.runtime.models import load_model
 from selfspec.training import checkpoints, session
 from selfspec.training import config as C
 from selfspec.training.data import collate
+
+#: Signals that end training the way the time budget does (after the current optimizer step: checkpoint, evaluation,
+#: heads saved, exit status 0; ``--resume`` continues): SIGTERM is what schedulers and process managers (SLURM,
+#: Kubernetes, systemd, torchrun's agent) send before they kill, SIGINT is Ctrl-C. A second one stops at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Recipe:
@@ -171,8 +178,18 @@ class Recipe:
         self.model.train()
         self.history = []
         started = time.time()
-        self.stopped_early = False
+        self.stopped_early, self.stop_reason = False, None
         budget = None if cfg.optim.max_minutes is None else cfg.optim.max_minutes * 60.0
+        with self._stop_requests() as signalled:
+            self._train_steps(bar, started, budget, signalled)
+        bar.close()
+        if self.final_checkpoint and self.history and not self.stopped_early:
+            self.save_checkpoint()
+        self.train_seconds = time.time() - started
+
+    def _train_steps(self, bar, started: float, budget: float | None, signalled: list[str]):
+        """The optimizer steps of ``train``, until the last, the time ``budget`` (seconds) or a stop signal."""
+        cfg, acc = self.cfg, self.accelerator
         tokens_seen = 0
         while self.step < self.total_steps:
             batches = [self.make_batch(ix) for ix in self._step_batches(self.step)]
@@ -208,17 +225,15 @@ class Recipe:
                 self.evaluate_during_training()
             if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
-            if budget is not None and self.step < self.total_steps and self._out_of_time(started, budget):
-                self.stopped_early = True
-                acc.print(f"time budget of {cfg.optim.max_minutes:g} min reached at step {self.step} of "
-                          f"{self.total_steps}: checkpointing; rerun with --resume (same config) to continue")
+            if self.step < self.total_steps and (reason := self._stop_now(started, budget, signalled)):
+                self.stopped_early, self.stop_reason = True, reason
+                cause = (f"time budget of {cfg.optim.max_minutes:g} min reached" if reason == "time budget"
+                         else f"{reason} received")
+                acc.print(f"{cause} at step {self.step} of {self.total_steps}: checkpointing, evaluating and "
+                          "saving the heads; rerun with --resume (same config) to continue")
                 if not (cfg.logging.save_every and self.step % cfg.logging.save_every == 0):
                     self.save_checkpoint()
                 break
-        bar.close()
-        if self.final_checkpoint and self.history and not self.stopped_early:
-            self.save_checkpoint()
-        self.train_seconds = time.time() - started
 
     def evaluate_during_training(self):
         """The held-out evaluation at this step (``logging.eval_every``), appended to ``metrics.jsonl`` as
@@ -229,10 +244,52 @@ class Recipe:
             self.accelerator.log(tracked, step=self.step)
         self.model.train()
 
-    def _out_of_time(self, started: float, budget: float) -> bool:
-        """Whether the budget is spent, decided by the main process for all (so every process stops together)."""
-        over = torch.tensor(float(time.time() - started >= budget))
-        return bool(self.accelerator.reduce(over, reduction="sum").item() > 0)
+    def _stop_now(self, started: float, budget: float | None, signalled: list[str]) -> str | None:
+        """Why training stops after this step: ``"time budget"``, the name of a stop signal (``"SIGTERM"``), or
+        None. Decided together: any process out of time or signalled stops every process at the same step."""
+        flags = torch.tensor([float(budget is not None and time.time() - started >= budget), float(bool(signalled))])
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        if flags[0] > 0:
+            return "time budget"
+        if flags[1] > 0:
+            return signalled[0] if signalled else "a stop signal (on another process)"
+        return None
+
+    @contextlib.contextmanager
+    def _stop_requests(self):
+        """While the optimizer steps run, a ``STOP_SIGNALS`` signal is noted (its name appended to the yielded list)
+        instead of killing the process, so the loop can stop cleanly after the step; a second signal does what it
+        did before (Ctrl-C raises KeyboardInterrupt, SIGTERM terminates). Outside the loop (loading, caching the
+        hidden states, which resume by chunk anyway) signals act as usual."""
+        signalled: list[str] = []
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            yield signalled
+            return
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
+        def restore():
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+        def note(signum, frame):
+            if signalled:  # the second one: what it did before
+                restore()
+                if callable(previous[signum]):
+                    previous[signum](signum, frame)
+                else:
+                    os.kill(os.getpid(), signum)
+                return
+            signalled.append(signal.Signals(signum).name)
+            print(f"\n{signalled[0]} received: stopping after this optimizer step (checkpoint, evaluation, heads "
+                  "saved; --resume continues); send it again to stop at once", file=sys.stderr, flush=True)
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, note)
+        try:
+            yield signalled
+        finally:
+            restore()
 
     def save_checkpoint(self):
         checkpoints.save_checkpoint(self.accelerator, self.output_dir, self.step,

@@ -177,6 +177,51 @@ def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
     assert logged_losses(tmp_path / "cut")[-3:] == pytest.approx(logged_losses(tmp_path / "straight")[-3:], rel=1e-5)
 
 
+# Runs the recipe, sending itself a signal (or two) right after optimizer step 2, as a scheduler or Ctrl-C would.
+SIGNAL_AFTER_STEP_2 = """
+import os, runpy, signal, sys
+import eagle.recipe
+step_record, calls = eagle.recipe.EagleRecipe.step_record, []
+def signalled_step_record(self, terms):
+    calls.append(1)
+    if len(calls) == 2:
+        for _ in range({times}):
+            os.kill(os.getpid(), signal.{name})
+    return step_record(self, terms)
+eagle.recipe.EagleRecipe.step_record = signalled_step_record
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_after_the_step_and_resume_finishes_the_same_run(tmp_path):
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    common = ["optim.max_steps=4", "logging.log_every=1", "logging.save_every=null"]
+    launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
+    cut = args(tmp_path, data, *common, f"output_dir={tmp_path / 'cut'}")
+    first = launch(cut, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGTERM", times=1))
+    assert "SIGTERM received at step 2 of 4" in first.stdout, first.stdout[-2000:]
+    saved = json.loads((tmp_path / "cut" / "heads" / "config.json").read_text())["training"]["metrics"]
+    assert saved["steps"] == 2 and saved["stopped_by"] == "SIGTERM" and saved["stopped_by_time_budget"] is False
+    assert (tmp_path / "cut" / "checkpoints" / "step-00000002").is_dir()
+    launch([*cut, "--resume"])
+    straight = load_file(str(tmp_path / "straight/heads/model.safetensors"))
+    resumed = load_file(str(tmp_path / "cut/heads/model.safetensors"))
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+    assert logged_losses(tmp_path / "cut")[-2:] == pytest.approx(logged_losses(tmp_path / "straight")[-2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    run = args(tmp_path, data, "optim.max_steps=4", "logging.save_every=null")
+    result = launch(run, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGINT", times=2), check=False)
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "run" / "heads").exists()
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     data = repetitive_conversations(tmp_path / "d.jsonl", 18)
