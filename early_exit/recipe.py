@@ -339,6 +339,7 @@ class EarlyExitRecipe(T.Recipe):
         command = self.command()
         classifier.config.metrics = {
             **metrics, "command": command, "recipe": T.config_to_dict(cfg), "steps": self.step,
+            "stopped_by": self.stop_reason,  # "time budget", "SIGTERM"... or None (finished)
             "train_examples": len(self.train_examples),
             "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
             "final_loss": self.history[-1]["loss"] if self.history else None,

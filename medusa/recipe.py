@@ -307,6 +307,7 @@ class MedusaRecipe(T.Recipe):
                            if "draft_vocab_coverage" in metrics else {}),
                         "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
                         "steps": self.step, "processes": acc.num_processes,
+                        "stopped_by": self.stop_reason,  # "time budget", "SIGTERM"... or None (finished)
                         "final_loss": self.history[-1]["loss"] if self.history else None},
         }
         if cfg.method == "medusa1":

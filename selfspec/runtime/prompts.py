@@ -30,6 +30,9 @@ def read_prompts(path: str | Path, limit: int | None = None, *, spread: bool = F
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with 'turns' or 'prompt', got "
+                             f"{type(obj).__name__}")
         if obj.get("turns"):
             text = obj["turns"][0]
         elif "prompt" in obj:

@@ -110,8 +110,8 @@ def _checked(value, tp, key: str):
     try:
         return convert(value, tp)
     except TypeError:
-        hint = (" (YAML reads an unquoted yes/no/on/off/true/false as a boolean: quote the word, "
-                f"{key}=\"'{'yes' if value else 'no'}'\")" if isinstance(value, bool) and _takes_str(tp) else "")
+        hint = (" (YAML reads an unquoted yes/no/on/off/true/false as a boolean: quote the word you meant, e.g. "
+                f"{key}=\"'no'\")" if isinstance(value, bool) and _takes_str(tp) else "")
         raise ValueError(f"config key {key}: expected {_describe(tp)}, got {value!r}{hint} (fix it in the YAML file "
                          f"or override it: {key}=VALUE)") from None
 

@@ -485,17 +485,9 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
     if spec == "builtin":
         return [{"id": f"builtin-{i}", "prompt": p} for i, p in enumerate(BUILTIN_PROMPTS[:num_prompts])]
     if spec != "self":
-        try:
-            return prompts_from_source(spec, num_prompts)
-        except ValueError:  # a question file (MT-bench, Spec-Bench: ``turns``) is no dataset: its first turns
-            if not Path(spec).is_file():
-                raise
-            try:
-                questions = read_prompts(spec, num_prompts)
-            except ValueError:
-                raise ValueError(f"{spec} is neither a dataset nor a question file (MT-bench / Spec-Bench "
-                                 "'turns', or 'prompt')") from None
-            return [{"id": str(q["id"]), "prompt": q["prompt"]} for q in questions]
+        if _is_question_file(spec):  # MT-bench / Spec-Bench questions (``turns``): their first turns
+            return [{"id": str(q["id"]), "prompt": q["prompt"]} for q in read_prompts(spec, num_prompts)]
+        return prompts_from_source(spec, num_prompts)
     if not num_prompts:
         raise ValueError("self-generated prompts need a number of prompts (num_prompts)")
     path = Path(work_dir) / "prompts" / "self.jsonl"
@@ -506,6 +498,22 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
         lines = (json.dumps({"id": f"self-{i}", "prompt": t}) + "\n" for i, t in enumerate(texts))
         atomic_write_text(path, "".join(lines))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _is_question_file(spec: str) -> bool:
+    """Whether ``spec`` is a JSONL question file (MT-bench, Spec-Bench): its first record has ``turns`` and none of
+    the dataset formats' columns. Anything else is left to the dataset reader and its errors."""
+    path = Path(spec)
+    if not (path.is_file() and path.suffix == ".jsonl"):
+        return False
+    with path.open() as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and "turns" in record and not {"conversations", "messages", "instruction",
+                                                                   "prompt", "text"} & record.keys()
 
 
 def _length_dealt(lengths: list[int], batch_size: int, shard_size: int, shards_per_window: int = 8) -> list[int]:

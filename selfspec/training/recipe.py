@@ -26,9 +26,11 @@ from selfspec.training import checkpoints, session
 from selfspec.training import config as C
 from selfspec.training.data import collate
 
-#: Signals that end training the way the time budget does (after the current optimizer step: checkpoint, evaluation,
-#: heads saved, exit status 0; ``--resume`` continues): SIGTERM is what schedulers and process managers (SLURM,
-#: Kubernetes, systemd, torchrun's agent) send before they kill, SIGINT is Ctrl-C. A second one stops at once.
+#: Signals that end training the way the time budget does, after the current optimizer step: checkpoint first, then
+#: evaluation and heads saved, then exit status 128 + the signal (143, 130: a scheduler that requeues failed jobs
+#: runs ``--resume`` again). SIGTERM is what schedulers and process managers (SLURM, Kubernetes, systemd, torchrun's
+#: agent) send before they kill; a repeated SIGTERM is ignored (launchers and schedulers may each forward one, and
+#: their kill follows anyway). SIGINT is Ctrl-C; a second Ctrl-C stops at once (KeyboardInterrupt).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -70,6 +72,9 @@ class Recipe:
         allowed = tuple(k.strip() for k in args.allow_changed.split(",") if k.strip())
         return cls(cfg, resume=args.resume or cfg.resume, argv=argv, allow_changed=allowed)
 
+    #: why ``train`` stopped before its last step: "time budget", a signal's name ("SIGTERM"), or None
+    stop_reason: str | None = None
+
     def run(self) -> dict:
         """Set up, train, evaluate (appended to ``metrics.jsonl``), save the heads and clean up; the metrics."""
         self.setup()
@@ -80,6 +85,8 @@ class Recipe:
             self.accelerator.log(tracked, step=self.step)
         self.save_heads(metrics)
         self.cleanup()
+        if self.stop_reason in signal.Signals.__members__:  # saved: now end as a signalled command does
+            raise SystemExit(128 + signal.Signals[self.stop_reason].value)
         return metrics
 
     # ------------------------------------------------------------ setup
@@ -211,7 +218,7 @@ class Recipe:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             term_sums = sum(step_terms).float()
-            record = {"step": self.step, "loss": acc.reduce(torch.tensor(loss_sum), reduction="mean").item(),
+            record = {"step": self.step, "loss": acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="mean").item(),
                       "lr": self.scheduler.get_last_lr()[0],
                       **self.step_record(acc.reduce(term_sums, reduction="mean") if term_sums.numel() else term_sums)}
             self.history.append(record)
@@ -247,44 +254,50 @@ class Recipe:
     def _stop_now(self, started: float, budget: float | None, signalled: list[str]) -> str | None:
         """Why training stops after this step: ``"time budget"``, the name of a stop signal (``"SIGTERM"``), or
         None. Decided together: any process out of time or signalled stops every process at the same step."""
-        flags = torch.tensor([float(budget is not None and time.time() - started >= budget), float(bool(signalled))])
+        flags = torch.tensor([float(budget is not None and time.time() - started >= budget),
+                              *(float(s.name in signalled) for s in STOP_SIGNALS)])
         if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
+            flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum").cpu()
         if flags[0] > 0:
             return "time budget"
-        if flags[1] > 0:
-            return signalled[0] if signalled else "a stop signal (on another process)"
-        return None
+        return next((s.name for s, sent in zip(STOP_SIGNALS, flags[1:]) if sent > 0), None)
 
     @contextlib.contextmanager
     def _stop_requests(self):
         """While the optimizer steps run, a ``STOP_SIGNALS`` signal is noted (its name appended to the yielded list)
-        instead of killing the process, so the loop can stop cleanly after the step; a second signal does what it
-        did before (Ctrl-C raises KeyboardInterrupt, SIGTERM terminates). Outside the loop (loading, caching the
-        hidden states, which resume by chunk anyway) signals act as usual."""
+        instead of killing the process, so the loop can stop cleanly after the step; a second Ctrl-C raises
+        KeyboardInterrupt, a repeated SIGTERM is ignored. Outside the loop (loading, caching the hidden states, which
+        resume by chunk anyway, the final evaluation) signals act as usual."""
         signalled: list[str] = []
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             yield signalled
             return
-        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        # A signal the process ignores (SIGINT of a background job) stays ignored; None: a handler set outside
+        # Python, left alone.
+        previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) not in (signal.SIG_IGN, None)}
 
         def restore():
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
         def note(signum, frame):
-            if signalled:  # the second one: what it did before
+            if signalled and signum == signal.SIGINT:  # a second Ctrl-C: what it did before (KeyboardInterrupt)
                 restore()
                 if callable(previous[signum]):
                     previous[signum](signum, frame)
                 else:
                     os.kill(os.getpid(), signum)
                 return
+            if signalled:  # a repeated SIGTERM (forwarded by a launcher too): the stop is under way
+                return
             signalled.append(signal.Signals(signum).name)
-            print(f"\n{signalled[0]} received: stopping after this optimizer step (checkpoint, evaluation, heads "
-                  "saved; --resume continues); send it again to stop at once", file=sys.stderr, flush=True)
+            # os.write, not print: the signal may have interrupted a write to stderr (tqdm's bar), and Python's
+            # buffered stderr refuses a reentrant call
+            again = "; Ctrl-C again stops at once" if signum == signal.SIGINT else ""
+            os.write(2, f"\n{signalled[0]} received: stopping after this optimizer step (checkpoint, evaluation, "
+                        f"heads saved; --resume continues){again}\n".encode())
 
-        for s in STOP_SIGNALS:
+        for s in previous:
             signal.signal(s, note)
         try:
             yield signalled

@@ -243,6 +243,10 @@ def test_spread_takes_prompts_from_every_block_of_the_file(tmp_path):
     assert [p["id"] for p in spread] == [81, 91, 101, 111] and [p["category"] for p in spread] == categories
     assert [p["id"] for p in read_prompts(path, 6, spread=True)] == [81, 87, 94, 101, 107, 114]
     assert len(read_prompts(path, 99, spread=True)) == 40 and len(read_prompts(path, None, spread=True)) == 40
+    strings = tmp_path / "strings.jsonl"
+    strings.write_text('"just a string"\n')
+    with pytest.raises(ValueError, match=r"strings.jsonl:1: expected a JSON object with 'turns' or 'prompt', got str"):
+        read_prompts(strings)
     out = tmp_path / "out"
     assert main(["bench", "--model", "tiny:llama", "--methods", "vanilla", "--limit", "2", "--max-new-tokens", "4",
                  "--out", str(out), "--quiet", "--spread"]) == 0

@@ -159,10 +159,15 @@ def test_question_files_are_prompts(tmp_path):
     assert got == [{"id": "81", "prompt": "Question 0?"}, {"id": "82", "prompt": "Question 1?"},
                    {"id": "83", "prompt": "Question 2?"}]
     assert len(D.resolve_prompts(str(questions), None, None, tmp_path, num_prompts=2)) == 2
+    # Other files keep the dataset reader's own errors (columns seen, formats accepted; the bad line).
     neither = tmp_path / "neither.jsonl"
     neither.write_text(json.dumps({"title": "x"}) + "\n")
-    with pytest.raises(ValueError, match="neither a dataset nor a question file"):
+    with pytest.raises(ValueError, match=r"unknown dataset format: columns seen \['title'\]"):
         D.resolve_prompts(str(neither), None, None, tmp_path)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"turns": ["a"]}) + "\n{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl:2"):
+        D.resolve_prompts(str(broken), None, None, tmp_path)
 
 
 def test_batched_left_padded_generation_equals_one_at_a_time():
