@@ -181,6 +181,7 @@ def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
 SIGNAL_AFTER_STEP_2 = """
 import os, runpy, signal, sys
 import eagle.recipe
+signal.signal(signal.SIGINT, signal.{sigint})  # a terminal's Ctrl-C (a background job, as CI's may be, ignores it)
 step_record, calls = eagle.recipe.EagleRecipe.step_record, []
 def signalled_step_record(self, terms):
     calls.append(1)
@@ -203,7 +204,8 @@ def test_sigterm_stops_cleanly_after_the_step_and_resume_finishes_the_same_run(t
     launch(args(tmp_path, data, *common, f"output_dir={tmp_path / 'straight'}"))
     cut = args(tmp_path, data, *common, f"output_dir={tmp_path / 'cut'}")
     # Sent twice, as a launcher and a scheduler may both forward it: the second is ignored, the stop stays clean.
-    first = launch(cut, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGTERM", times=2), check=False)
+    first = launch(cut, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGTERM", times=2,
+                                                              sigint="default_int_handler"), check=False)
     assert first.returncode == 128 + 15, first.stderr[-3000:]  # saved, then ends as a terminated command does
     assert "SIGTERM received at step 2 of 4" in first.stdout, first.stdout[-2000:]
     saved = json.loads((tmp_path / "cut" / "heads" / "config.json").read_text())["training"]["metrics"]
@@ -221,9 +223,21 @@ def test_sigterm_stops_cleanly_after_the_step_and_resume_finishes_the_same_run(t
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     data = repetitive_conversations(tmp_path / "d.jsonl", 12)
     run = args(tmp_path, data, "optim.max_steps=4", "logging.save_every=null")
-    result = launch(run, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGINT", times=2), check=False)
+    result = launch(run, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGINT", times=2,
+                                                            sigint="default_int_handler"), check=False)
     assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "run" / "heads").exists()
+
+
+@pytest.mark.slow
+def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
+    # `python train/eagle.py ... &` from a script ignores SIGINT: the recipe must not start stopping on it.
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    run = args(tmp_path, data, "optim.max_steps=4", "logging.save_every=null")
+    result = launch(run, wrapper=SIGNAL_AFTER_STEP_2.format(script=str(SCRIPT), name="SIGINT", times=1,
+                                                            sigint="SIG_IGN"))
+    assert "received" not in result.stderr
+    assert json.loads((tmp_path / "run" / "heads" / "config.json").read_text())["training"]["metrics"]["steps"] == 4
 
 
 @pytest.mark.slow
