@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="alias, hub id, local path or tiny:<arch>")
     parser.add_argument("--out", required=True, help="output directory (shards are appended; rerun to resume)")
-    parser.add_argument("--prompts", default="builtin", help="builtin | self | tasks:N | a dataset file/dir/hub id | an MT-bench / Spec-Bench question file "
-                             "(first turns; e.g. the model's own answers to held-out tuning prompts, for "
+    parser.add_argument("--prompts", default="builtin",
+                        help="builtin | self | tasks:N | a dataset file/dir/hub id | an MT-bench / Spec-Bench "
+                             "question file (first turns; e.g. the model's own answers to held-out tuning prompts, for "
                              "data.eval_source)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
     parser.add_argument("--prompt-max-new-tokens", type=int, default=48, help="length of self-generated prompts")

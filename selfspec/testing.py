@@ -315,6 +315,19 @@ def logged_losses(run_dir: Path) -> list[float]:
     return [line["loss"] for line in lines if "loss" in line]
 
 
+def assert_same_run(straight: Path, resumed: Path, last_losses: int) -> None:
+    """A run that was cut (time budget, signal, kill) and resumed ends as the ``straight`` one did: the same saved
+    weights (``heads/model.safetensors``) and the same ``last_losses`` logged losses."""
+    import pytest
+    from safetensors.torch import load_file
+
+    expected = load_file(str(straight / "heads" / "model.safetensors"))
+    got = load_file(str(resumed / "heads" / "model.safetensors"))
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert logged_losses(resumed)[-last_losses:] == pytest.approx(logged_losses(straight)[-last_losses:], rel=1e-5)
+
+
 def assert_decodes_like_references(model, tokenizer, drafter, references: dict[str, list[list[int]]],
                                    max_new_tokens: int) -> list[float]:
     """Decode each prompt of ``references`` (``hf_greedy_continuations``) with ``drafter`` and assert the output

@@ -75,6 +75,11 @@ class Recipe:
     #: why ``train`` stopped before its last step: "time budget", a signal's name ("SIGTERM"), or None
     stop_reason: str | None = None
 
+    @property
+    def stopped_early(self) -> bool:
+        """Whether ``train`` stopped before its last step (``stop_reason`` says why)."""
+        return self.stop_reason is not None
+
     def run(self) -> dict:
         """Set up, train, evaluate (appended to ``metrics.jsonl``), save the heads and clean up; the metrics."""
         self.setup()
@@ -185,7 +190,7 @@ class Recipe:
         self.model.train()
         self.history = []
         started = time.time()
-        self.stopped_early, self.stop_reason = False, None
+        self.stop_reason = None
         budget = None if cfg.optim.max_minutes is None else cfg.optim.max_minutes * 60.0
         with self._stop_requests() as signalled:
             self._train_steps(bar, started, budget, signalled)
@@ -218,7 +223,8 @@ class Recipe:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             term_sums = sum(step_terms).float()
-            record = {"step": self.step, "loss": acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="mean").item(),
+            mean_loss = acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="mean").item()
+            record = {"step": self.step, "loss": mean_loss,
                       "lr": self.scheduler.get_last_lr()[0],
                       **self.step_record(acc.reduce(term_sums, reduction="mean") if term_sums.numel() else term_sums)}
             self.history.append(record)
@@ -233,7 +239,7 @@ class Recipe:
             if cfg.logging.save_every and self.step % cfg.logging.save_every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
             if self.step < self.total_steps and (reason := self._stop_now(started, budget, signalled)):
-                self.stopped_early, self.stop_reason = True, reason
+                self.stop_reason = reason
                 cause = (f"time budget of {cfg.optim.max_minutes:g} min reached" if reason == "time budget"
                          else f"{reason} received")
                 acc.print(f"{cause} at step {self.step} of {self.total_steps}: checkpointing, evaluating and "

@@ -14,7 +14,14 @@ from safetensors.torch import load_file
 import eagle.recipe as eagle_recipe
 from decoding.generate import generate
 from eagle.drafter import make_eagle_drafter
-from selfspec.testing import greedy_reference, launch_recipe, logged_losses, random_prompt, repetitive_conversations
+from selfspec.testing import (
+    assert_same_run,
+    greedy_reference,
+    launch_recipe,
+    logged_losses,
+    random_prompt,
+    repetitive_conversations,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "train/eagle.py"
@@ -170,11 +177,7 @@ def test_time_budget_stops_cleanly_and_resume_finishes_the_same_run(tmp_path):
     saved = json.loads((tmp_path / "cut" / "heads" / "config.json").read_text())["training"]["metrics"]
     assert saved["steps"] == 1 and saved["stopped_by_time_budget"] is True  # a usable drafter, marked as cut
     launch([*budget, "--resume"])
-    straight = load_file(str(tmp_path / "straight/heads/model.safetensors"))
-    resumed = load_file(str(tmp_path / "cut/heads/model.safetensors"))
-    for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
-    assert logged_losses(tmp_path / "cut")[-3:] == pytest.approx(logged_losses(tmp_path / "straight")[-3:], rel=1e-5)
+    assert_same_run(tmp_path / "straight", tmp_path / "cut", last_losses=3)
 
 
 # Runs the recipe, sending itself a signal (or two) right after optimizer step 2, as a scheduler or Ctrl-C would.
@@ -212,11 +215,7 @@ def test_sigterm_stops_cleanly_after_the_step_and_resume_finishes_the_same_run(t
     assert saved["steps"] == 2 and saved["stopped_by"] == "SIGTERM" and saved["stopped_by_time_budget"] is False
     assert (tmp_path / "cut" / "checkpoints" / "step-00000002").is_dir()
     launch([*cut, "--resume"])
-    straight = load_file(str(tmp_path / "straight/heads/model.safetensors"))
-    resumed = load_file(str(tmp_path / "cut/heads/model.safetensors"))
-    for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
-    assert logged_losses(tmp_path / "cut")[-2:] == pytest.approx(logged_losses(tmp_path / "straight")[-2:], rel=1e-5)
+    assert_same_run(tmp_path / "straight", tmp_path / "cut", last_losses=2)
 
 
 @pytest.mark.slow
