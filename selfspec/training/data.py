@@ -501,8 +501,9 @@ def resolve_prompts(spec: str, model, tokenizer, work_dir: str | Path, *, num_pr
 
 
 def _is_question_file(spec: str) -> bool:
-    """Whether ``spec`` is a JSONL question file (MT-bench, Spec-Bench): its first record has ``turns`` and none of
-    the dataset formats' columns. Anything else is left to the dataset reader and its errors."""
+    """Whether ``spec`` is a JSONL question file (MT-bench, Spec-Bench): its first record has ``turns`` and fits none
+    of the dataset formats (``detect_format``, so a format added there is never mistaken for questions). Anything
+    else is left to the dataset reader and its errors."""
     path = Path(spec)
     if not (path.is_file() and path.suffix == ".jsonl"):
         return False
@@ -512,8 +513,13 @@ def _is_question_file(spec: str) -> bool:
         record = json.loads(first)
     except json.JSONDecodeError:
         return False
-    return isinstance(record, dict) and "turns" in record and not {"conversations", "messages", "instruction",
-                                                                   "prompt", "text"} & record.keys()
+    if not (isinstance(record, dict) and "turns" in record):
+        return False
+    try:
+        detect_format(record.keys())
+    except ValueError:
+        return True
+    return False
 
 
 def _length_dealt(lengths: list[int], batch_size: int, shard_size: int, shards_per_window: int = 8) -> list[int]:

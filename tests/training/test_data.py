@@ -164,6 +164,11 @@ def test_question_files_are_prompts(tmp_path):
     neither.write_text(json.dumps({"title": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"unknown dataset format: columns seen \['title'\]"):
         D.resolve_prompts(str(neither), None, None, tmp_path)
+    # A dataset record that happens to carry "turns" too is read as the dataset format it fits.
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"id": "c1", "turns": ["ignored"], "conversations": [
+        {"from": "human", "value": "From the conversation."}, {"from": "gpt", "value": "ok"}]}) + "\n")
+    assert D.resolve_prompts(str(both), None, None, tmp_path) == [{"id": "c1", "prompt": "From the conversation."}]
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"turns": ["a"]}) + "\n{not json\n")
     with pytest.raises(ValueError, match="broken.jsonl:2"):
