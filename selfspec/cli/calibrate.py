@@ -128,7 +128,10 @@ def register(subparsers) -> None:
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed per-step cost added to every setting")
     p.add_argument("--fit-linear", action="store_true",
                    help="accuracy mode: choose on a straight-line fit of t(n) (for a busy machine)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per calibration prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="new tokens per calibration prompt (default 256, the benchmark's): calibrate at the length "
+                        "you decode; on a 2-core Zen 3 two feature-drafter trees ranked at 128 tokens ranked the "
+                        "other way at 256, where the deeper tree's tau grows more (docs/RESULTS.md)")
     p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
     p.add_argument("--grid", default=None,
