@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -28,7 +28,7 @@ from medusa.heads import MedusaHeads
 from medusa.trees import default_tree, expected_accept_length
 from selfspec.bench.methods import GenSettings, parse_method
 from selfspec.bench.replay import replay
-from selfspec.bench.runner import Prompt, mean_tau, run_benchmark, tokens_per_s
+from selfspec.bench.runner import Prompt, mean_tau, run_benchmark, speedup_interval, tokens_per_s
 from selfspec.runtime.adapters import ADAPTER_DIR
 from selfspec.runtime.cache import crop, new_cache
 from selfspec.runtime.io import (
@@ -332,6 +332,10 @@ class PolicyResult:
     speedup: float  # tokens/s over plain decoding's, both summed over the prompts
     tokens_per_s: float
     draft_ms_per_step: float
+    #: a 95% interval of this policy's speed over the chosen one's (a paired bootstrap over the prompts, which ran
+    #: every policy side by side; ``selfspec.bench.runner.speedup_interval``): one that holds 1.0 is not told apart
+    #: from the chosen policy by this run. None with fewer than two prompts.
+    vs_chosen: list[float] | None = None
 
     @property
     def label(self) -> str:
@@ -391,7 +395,9 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
                     progress: Callable[[PolicyResult], None] | None = None) -> tuple[PolicyResult, list[PolicyResult]]:
     """Decode ``prompts`` with ``drafter_name`` under every policy of ``grid`` and with plain decoding, per prompt
     in a rotated order (so that a drifting machine slows all alike), after one warm-up each; the best policy has the
-    highest summed tokens/s. For drafters whose cost replay cannot predict (they run the base's own layers).
+    highest summed tokens/s, and every row carries the interval of its speed over the best's (``vs_chosen``), which
+    ``progress`` gets once all are decoded. For drafters whose cost replay cannot predict (they run the base's own
+    layers).
     ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``).
     ``fallback_of``: the drafter drafts only in the steps where these propose nothing (``lookup``, or
     ``lookup|datastore:DIR``: the spec ``FALLBACK_OF|DRAFTER:HEADS``), as ``selfspec generate --draft`` would use it.
@@ -418,9 +424,14 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
         row = PolicyResult(dict(options), mean_tau(gens) or 1.0, speed / plain_speed, speed,
                            1e3 * sum(g.phases.get("draft", 0.0) for g in gens) / max(steps, 1))
         rows.append(row)
+    best = max(range(len(rows)), key=lambda i: rows[i].tokens_per_s)
+    chosen = run.generations[f"policy-{best}"]
+    rows = [replace(row, vs_chosen=speedup_interval(run.generations[f"policy-{i}"], chosen))
+            for i, row in enumerate(rows)]
+    for row in rows:
         if progress is not None:
             progress(row)
-    return max(rows, key=lambda r: r.tokens_per_s), rows
+    return rows[best], rows
 
 
 def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:

@@ -246,19 +246,26 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                     f", merged with {args.merged_with}" * bool(args.merged_with)])
     print(f"calibration: {len(grid)} {search.what} policies{used} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
-    print("policy | tau | speedup | draft ms/step")
+    print("policy | tau | speedup | draft ms/step | speed over the chosen policy's (95% interval)")
 
     def show(r) -> None:
-        print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | {r.draft_ms_per_step:6.2f}", flush=True)
+        versus = "-" if r.vs_chosen is None else f"{r.vs_chosen[0]:.2f}-{r.vs_chosen[1]:.2f}"
+        print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | {r.draft_ms_per_step:6.2f} | {versus}", flush=True)
 
     best, rows = search_policies(model, kind, args.heads, grid, prompts, settings, merged_with=args.merged_with,
                                  fallback_of=args.fallback_of, progress=show)
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
+    ties = [r for r in rows if r is not best and r.vs_chosen is not None and r.vs_chosen[1] >= 1.0]
+    if ties:
+        print(f"{len(ties)} other {'policy is' if len(ties) == 1 else 'policies are'} not told apart from it by this "
+              "run (interval over the chosen holds 1.0): more or longer prompts (--limit, --max-new-tokens) would "
+              "decide between them", flush=True)
     if not args.dry_run:
         report = {"mode": "decode", "chosen": best.options, "merged_with": args.merged_with,
                   "fallback_of": args.fallback_of,
                   "candidates": [{"policy": r.options, "tau": r.tau, "speedup": r.speedup,
-                                  "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step}
+                                  "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step,
+                                  "vs_chosen_95": r.vs_chosen}
                                  for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
                   "cpu": cpu_model(), "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),

@@ -279,6 +279,12 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     assert report["mode"] == "decode" and len(report["candidates"]) == 4
     best = max(report["candidates"], key=lambda c: c["tokens_per_s"])
     assert report["chosen"] == best["policy"]
+    # every policy's speed over the chosen one's, paired over the prompts: the chosen against itself is exactly 1
+    assert best["vs_chosen_95"] == [1.0, 1.0]
+    for c in report["candidates"]:
+        low, high = c["vs_chosen_95"]
+        assert 0 < low <= high
+    assert "speed over the chosen policy's (95% interval)" in out and "| 1.00-1.00" in out
     verify_directory(heads)
     config = json.loads((heads / "config.json").read_text())
     assert config["decoding"] == {"depth": best["policy"]["depth"], "nodes": best["policy"]["nodes"], "top_k": 2,
