@@ -398,7 +398,7 @@ class EagleRecipe(T.Recipe):
                         "eval_targets": metrics["eval_targets"], "train_examples": len(self.train_examples),
                         "train_tokens": sum(len(e["input_ids"]) for e in self.train_examples),
                         "steps": self.step, "total_steps": self.total_steps, "processes": acc.num_processes,
-                        "stopped_by_time_budget": self.stop_reason == "time budget",
+                        "stopped_by_time_budget": self.stop_reason == T.TIME_BUDGET,
                         "stopped_by": self.stop_reason,  # "time budget", "SIGTERM"... or None (finished)
                         "final_loss": self.history[-1]["loss"] if self.history else None},
         }

@@ -428,8 +428,8 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
     chosen = run.generations[f"policy-{best}"]
     rows = [replace(row, vs_chosen=speedup_interval(run.generations[f"policy-{i}"], chosen))
             for i, row in enumerate(rows)]
-    for row in rows:
-        if progress is not None:
+    if progress is not None:
+        for row in rows:
             progress(row)
     return rows[best], rows
 

@@ -30,7 +30,7 @@ from selfspec.training.config import (
 )
 from selfspec.training.hidden import cached_hidden_states, examples_digest, hidden_states
 from selfspec.training.losses import chunked_cross_entropy, chunked_kl, chunked_rank_counts
-from selfspec.training.recipe import Recipe
+from selfspec.training.recipe import TIME_BUDGET, Recipe
 from selfspec.training.session import count_parameters, global_mean_denominator, make_accelerator, prepare_examples
 
 __all__ = [
@@ -39,6 +39,6 @@ __all__ = [
     "load_config", "lr_lambda", "parse_recipe_args", "step_batches",
     "cached_hidden_states", "examples_digest", "hidden_states",
     "chunked_cross_entropy", "chunked_kl", "chunked_rank_counts",
-    "Recipe",
+    "Recipe", "TIME_BUDGET",
     "count_parameters", "global_mean_denominator", "make_accelerator", "prepare_examples",
 ]

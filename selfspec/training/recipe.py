@@ -32,6 +32,8 @@ from selfspec.training.data import collate
 #: agent) send before they kill; a repeated SIGTERM is ignored (launchers and schedulers may each forward one, and
 #: their kill follows anyway). SIGINT is Ctrl-C; a second Ctrl-C stops at once (KeyboardInterrupt).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: ``Recipe.stop_reason`` when ``optim.max_minutes`` ended training (a signal's stop is the signal's name)
+TIME_BUDGET = "time budget"
 
 
 class Recipe:
@@ -240,7 +242,7 @@ class Recipe:
                 self.save_checkpoint()
             if self.step < self.total_steps and (reason := self._stop_now(started, budget, signalled)):
                 self.stop_reason = reason
-                cause = (f"time budget of {cfg.optim.max_minutes:g} min reached" if reason == "time budget"
+                cause = (f"time budget of {cfg.optim.max_minutes:g} min reached" if reason == TIME_BUDGET
                          else f"{reason} received")
                 acc.print(f"{cause} at step {self.step} of {self.total_steps}: checkpointing, evaluating and "
                           "saving the heads; rerun with --resume (same config) to continue")
@@ -265,7 +267,7 @@ class Recipe:
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum").cpu()
         if flags[0] > 0:
-            return "time budget"
+            return TIME_BUDGET
         return next((s.name for s, sent in zip(STOP_SIGNALS, flags[1:]) if sent > 0), None)
 
     @contextlib.contextmanager
