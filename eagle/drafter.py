@@ -30,7 +30,7 @@ from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
 from eagle.model import DraftCache, EagleDraftModel
 from selfspec.runtime.attention import follow_attention
-from selfspec.runtime.kernels import check_draft_weights, follow_backend, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, follow_backend, machine_class, using_draft_weights
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
 _MIN_LOG_PROB = -1e4
@@ -98,6 +98,9 @@ class EagleDrafter(DrafterBase):
         self.last: torch.Tensor | None = None  # [1, 1, hidden]: the draft output at the last verified position
         self.pending: list[list[torch.Tensor]] = []  # per observed step, its hidden_layers states not yet drafted on
         self.template = TreeTemplate(policy.tree) if policy.tree is not None else None
+        #: where ``policy`` came from: "given", or (``load``) "default" / "calibrated for <machine class>", with
+        #: " + options" where options overrode part of it
+        self.policy_source = "given"
         self._backend = "stock"
         #: the last proposed tree's path log-probabilities under the draft, in node order (None: a static tree, or
         #: nothing proposed yet); ``scripts/draft_calibration.py`` compares them with what verification accepted
@@ -305,13 +308,29 @@ class _Grown:
         self.row: dict[int, int] = {}
 
 
+def saved_policy(config, device: torch.device | str | None = None) -> tuple[dict, str]:
+    """``(options, source)``: the drafting a saved drafter asks for on a machine like this one (``device``: where
+    the base model runs): its ``decoding_by_machine`` entry for this machine's class where there is one
+    (``selfspec.runtime.kernels.machine_class``), else its default ``decoding``; ``source`` says which."""
+    machine = machine_class(device)
+    entry = (getattr(config, "decoding_by_machine", None) or {}).get(machine)
+    if entry is not None:
+        return dict(entry["policy"]), f"calibrated for {machine}"
+    return dict(config.decoding or {}), "default"
+
+
 def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **options) -> EagleDrafter:
-    """The drafter saved in ``heads_dir`` on ``model``; ``options`` override the saved default policy."""
+    """The drafter saved in ``heads_dir`` on ``model``; ``options`` override the saved policy (``saved_policy``:
+    the one calibrated for this kind of machine, else the default)."""
     draft = load_drafter(heads_dir, model)  # selfspec's own directory, or a speculators / SGLang export
-    settings = {**(draft.config.decoding or {}), **options}
+    saved, source = saved_policy(draft.config, next(model.parameters()).device)
+    settings = {**saved, **options}
     if "tree" in settings and settings["tree"] is not None:
         settings["tree"] = tuple(tuple(int(r) for r in c) for c in settings["tree"])
-    return EagleDrafter(model, draft, policy or EaglePolicy(**settings))
+    drafter = EagleDrafter(model, draft, policy or EaglePolicy(**settings))
+    if policy is None:
+        drafter.policy_source = source + " + options" * bool(options)
+    return drafter
 
 
 def make_eagle_drafter(model, heads_dir: str | Path | None = None, **options) -> EagleDrafter:
@@ -331,4 +350,4 @@ def make_eagle_drafter(model, heads_dir: str | Path | None = None, **options) ->
     return load(model, heads_dir, **options)
 
 
-__all__ = ["EagleDrafter", "EaglePolicy", "load", "make_eagle_drafter"]
+__all__ = ["EagleDrafter", "EaglePolicy", "load", "make_eagle_drafter", "saved_policy"]

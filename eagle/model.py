@@ -79,6 +79,10 @@ class EagleConfig:
     share_lm_head: bool = True  # LM-head rows of the base (not saved) instead of a trained draft head
     base_model: dict = dataclasses.field(default_factory=dict)  # selfspec.runtime.identity of the base
     decoding: dict = dataclasses.field(default_factory=dict)  # default drafting policy (depth, top_k, width, nodes)
+    #: drafting calibrated per kind of machine (``selfspec.runtime.kernels.machine_class``): ``{class: {"policy":
+    #: {...}, "calibrated_on": "...", "date": "..."}}``; where the machine running it has an entry, that policy
+    #: replaces ``decoding`` (``eagle.drafter.saved_policy``)
+    decoding_by_machine: dict = dataclasses.field(default_factory=dict)
     accuracy: list[float] | None = None  # held-out top-1 acceptance per draft depth (teacher-forced chain)
     training: dict | None = None  # recipe, command, data and metrics
     format: str = FORMAT
@@ -92,6 +96,10 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"eagle config: draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
                              f"{self.vocab_size}]")
+        for machine, entry in (self.decoding_by_machine or {}).items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("policy"), dict):
+                raise ValueError(f"eagle config: decoding_by_machine[{machine!r}] must be an object with a 'policy' "
+                                 f"object (as `selfspec calibrate` writes it), got {entry!r}; fix or remove the entry")
 
     def save(self, directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
@@ -512,6 +520,14 @@ def render_card(config: EagleConfig) -> str:
         lines += ["## Recipe", "", "```json", json.dumps(training, indent=2), "```", ""]
     if config.decoding:
         lines += ["## Default drafting", "", f"`{json.dumps(config.decoding)}`", ""]
+    if config.decoding_by_machine:
+        lines += ["## Drafting calibrated per kind of machine", "",
+                  "Used instead of the default where the machine is of this class "
+                  "(`selfspec.runtime.kernels.machine_class`); explicit options override either.", "",
+                  "| machine class | policy | calibrated on |", "|---|---|---|"]
+        lines += [f"| {machine} | `{json.dumps(entry['policy'])}` | "
+                  f"{' '.join(str(entry[k]) for k in ('calibrated_on', 'date') if entry.get(k)) or '-'} |"
+                  for machine, entry in sorted(config.decoding_by_machine.items())] + [""]
     return "\n".join(lines)
 
 

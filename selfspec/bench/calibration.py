@@ -453,16 +453,32 @@ def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any],
     return heads_dir / CONFIG_NAME
 
 
-def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
-    """Make ``options`` the feature drafter's default drafting (``decoding`` in config.json), with ``report`` in
-    calibration.json, rewriting the directory atomically through the drafter's own ``save_pretrained`` in the dtype
-    its weights are stored in (a float16 drafter stays float16, bit for bit), its card's hand-written sections kept."""
+def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,
+                      keep_default: bool = False) -> Path:
+    """Make ``options`` the feature drafter's drafting on this kind of machine (its ``decoding_by_machine`` entry
+    for ``machine_class``, with the CPU and date it was calibrated on) and, unless ``keep_default``, its default
+    drafting too (``decoding``, what machines of other classes use), with ``report`` in calibration.json; the
+    directory is rewritten atomically through the drafter's own ``save_pretrained`` in the dtype its weights are
+    stored in (a float16 drafter stays float16, bit for bit), its card's hand-written sections kept.
+    ``keep_default``: a drafter shared between machines keeps the default chosen elsewhere."""
+    import datetime
+
+    from eagle.drafter import saved_policy
     from eagle.model import from_pretrained, render_card, save_pretrained
+    from selfspec.runtime.kernels import machine_class
 
     heads_dir = Path(heads_dir)
     draft = from_pretrained(heads_dir, model)
-    draft.config.decoding = {**(draft.config.decoding or {}), **options}
+    device = next(model.parameters()).device
+    config = draft.config
+    policy = {**saved_policy(config, device)[0], **options}
+    machine = machine_class(device)
+    config.decoding_by_machine = {**(config.decoding_by_machine or {}), machine: {
+        "policy": policy, "calibrated_on": report.get("cpu") or machine,
+        "date": datetime.date.today().isoformat()}}
+    if not keep_default:
+        config.decoding = {**(config.decoding or {}), **options}
     old = _card(heads_dir)
-    card = None if old is None else _merged_card(old, render_card(draft.config))
+    card = None if old is None else _merged_card(old, render_card(config))
     save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir), card=card)
     return heads_dir / CONFIG_NAME

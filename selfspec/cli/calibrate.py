@@ -55,6 +55,7 @@ from selfspec.bench.replay import make_references
 from selfspec.bench.runner import Prompt, eos_of, load_prompts
 from selfspec.cli.bench import add_common_arguments, apply_backend
 from selfspec.runtime.identity import check_base_model
+from selfspec.runtime.kernels import machine_class
 from selfspec.runtime.models import is_test_model, load_model
 from selfspec.runtime.prompts import encode_prompt
 from selfspec.training.data import BUILTIN_PROMPTS
@@ -134,6 +135,11 @@ def register(subparsers) -> None:
                         "other way at 256, where the deeper tree's tau grows more (docs/RESULTS.md)")
     p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
+    p.add_argument("--keep-default", action="store_true",
+                   help="feature drafters: save the chosen policy for this kind of machine only (its "
+                        "decoding_by_machine entry: x86_64-avx2, x86_64-avx512, x86_64-avx512-amx, ...), keeping "
+                        "the default that other machines use; for a drafter shared between machines. Without it "
+                        "the choice becomes the default too")
     p.add_argument("--grid", default=None,
                    help="early-exit classifiers and feature drafters: draft policies to decode, NAME=V1,V2 items "
                         f"(default {EXIT_GRID!r} for an exit classifier, {EAGLE_GRID!r} for a feature drafter)")
@@ -151,6 +157,10 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     kind = heads_kind(args.heads)
+    if args.keep_default and kind != "eagle":
+        raise ValueError(f"--keep-default: policies per kind of machine are saved for feature drafters (eagle) only; "
+                         f"{args.heads} holds {kind or 'Medusa'} heads, whose calibration replaces their one "
+                         "default. Drop --keep-default")
     if kind in DECODE_SEARCH:
         grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
         check_fallback_of(kind, args.fallback_of)
@@ -246,6 +256,13 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                     f", merged with {args.merged_with}" * bool(args.merged_with)])
     print(f"calibration: {len(grid)} {search.what} policies{used} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
+    if kind == "eagle":
+        from eagle.drafter import saved_policy
+        from eagle.model import EagleConfig
+
+        saved, source = saved_policy(EagleConfig.load(Path(args.heads) / "config.json"), model.device)
+        print(f"each policy applies over the drafter's saved one, {json.dumps(saved)} ({source}), whose fields the "
+              "grid does not set", flush=True)
     print("policy | tau | speedup | draft ms/step | speed over the chosen policy's (95% interval)")
 
     def show(r) -> None:
@@ -268,8 +285,9 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                                   "vs_chosen_95": r.vs_chosen}
                                  for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
-                  "cpu": cpu_model(), "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
+                  "cpu": cpu_model(), "machine_class": machine_class(model.device), "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
-        path = search.save(model, args.heads, best.options, report)
+        extra = {"keep_default": args.keep_default} if kind == "eagle" else {}
+        path = search.save(model, args.heads, best.options, report, **extra)
         print(f"saved policy {best.label} into {path} (details in calibration.json)")
     return 0

@@ -397,6 +397,23 @@ def cpu_signature() -> dict:
     return {"cpu": name, "flags": vector, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def machine_class(device: torch.device | str | None = None) -> str:
+    """The coarse kind of machine a drafting policy is calibrated for (``eagle``'s ``decoding_by_machine``): what a
+    tree and a draft step cost depends first on the vector unit, so a CPU is classed by its widest float32
+    multiply-add extension (``x86_64-avx2``, ``x86_64-avx512``, ``x86_64-avx512-amx``; else the architecture, e.g.
+    ``aarch64``) and any other device by its type (``cuda``). Coarse on purpose: a class must recur across machines
+    to be worth a saved policy; ``selfspec calibrate`` finds the best one for a given machine."""
+    import platform
+
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.device(device).type
+    arch = platform.machine() or "cpu"
+    flags = set(skinny.cpuinfo_fields().get("flags", "").split())
+    if "avx512f" in flags:
+        return f"{arch}-avx512-amx" if "amx_tile" in flags else f"{arch}-avx512"
+    return f"{arch}-avx2" if "avx2" in flags else arch
+
+
 def _choice_key(model: nn.Module, sizes: tuple[int, ...]) -> str:
     import hashlib
     import json

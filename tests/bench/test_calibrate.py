@@ -11,6 +11,7 @@ import torch
 from medusa import MedusaConfig, MedusaHeads, expected_accept_length
 from selfspec.bench import calibration as cal
 from selfspec.cli import main
+from selfspec.runtime.kernels import machine_class
 from selfspec.runtime.models import load_model
 from selfspec.testing import sequential_heads, tiny_model
 
@@ -289,6 +290,11 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     config = json.loads((heads / "config.json").read_text())
     assert config["decoding"] == {"depth": best["policy"]["depth"], "nodes": best["policy"]["nodes"], "top_k": 2,
                                   "width": 2}  # searched options replaced, the others kept
+    # ... and saved for this kind of machine, with where and when it was calibrated
+    machine = machine_class()
+    assert report["machine_class"] == machine
+    entry = config["decoding_by_machine"][machine]
+    assert entry["policy"] == config["decoding"] and entry["calibrated_on"] == report["cpu"] and entry["date"]
     card = (heads / "README.md").read_text()
     assert mine in card  # the card keeps what its owner wrote; its default-drafting section is the new one
     assert json.dumps(config["decoding"]) in card.split("## Default drafting")[1]
@@ -297,6 +303,46 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     with safe_open(str(heads / "model.safetensors"), framework="pt") as f:
         stored = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"}  # the draft vocabulary's ids
     assert stored == ({"F16"} if dtype == torch.float16 else {"F32"})  # stored as they were
+
+
+def test_calibrate_can_keep_a_shared_drafters_default_and_save_for_this_machine_only(tmp_path, capsys):
+    import eagle
+    from eagle.model import save_pretrained
+    from selfspec.testing import eagle_draft
+
+    model, _ = load_model("tiny:llama")
+    draft = eagle_draft(model, draft_vocab_size=64)
+    default = {"depth": 2, "nodes": 2, "top_k": 2, "width": 2, "threshold": 0.3}
+    draft.config.decoding = dict(default)
+    heads = save_pretrained(draft, tmp_path / "eagle")
+    argv = ["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+            "--max-new-tokens", "8", "--linear-backend", "stock", "--keep-default"]
+    assert main([*argv, "--grid", "depth=1,3 nodes=3"]) == 0
+    out = capsys.readouterr().out
+    # the grid's policies inherit what it does not set from the saved policy, and the run says so
+    assert f"over the drafter's saved one, {json.dumps(default)} (default)" in out
+    config = json.loads((heads / "config.json").read_text())
+    assert config["decoding"] == default  # what other machines use is untouched
+    machine = machine_class()
+    chosen = json.loads((heads / "calibration.json").read_text())["chosen"]
+    assert config["decoding_by_machine"][machine]["policy"] == {**default, **chosen}
+    drafter = eagle.load(model, heads)
+    assert drafter.policy_source == f"calibrated for {machine}"
+    assert (drafter.policy.depth, drafter.policy.nodes, drafter.policy.threshold) == (chosen["depth"], 3, 0.3)
+    assert machine in (heads / "README.md").read_text().split("## Drafting calibrated per kind of machine")[1]
+    # a second calibration on this machine starts from the machine's entry
+    assert main([*argv, "--grid", "depth=2 nodes=2,4", "--dry-run"]) == 0
+    assert f"({'calibrated for ' + machine})" in capsys.readouterr().out
+
+
+def test_keep_default_is_for_feature_drafters_only(tmp_path, capsys):
+    heads = tmp_path / "medusa"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"kind": "medusa"}))
+    assert main(["calibrate", "--heads", str(heads), "--keep-default"]) != 0
+    err = capsys.readouterr().err
+    assert "--keep-default: policies per kind of machine are saved for feature drafters (eagle) only" in err
+    assert "Drop --keep-default" in err
 
 
 def test_calibrating_a_float16_exit_classifier_keeps_it_float16(tmp_path):

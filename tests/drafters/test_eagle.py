@@ -12,7 +12,7 @@ import torch
 from decoding.drafter import DecodeState, SamplingParams
 from decoding.generate import generate
 from eagle.drafter import EagleDrafter, EaglePolicy, make_eagle_drafter
-from eagle.model import DraftCache, from_pretrained, save_pretrained
+from eagle.model import DraftCache, EagleConfig, from_pretrained, save_pretrained
 from selfspec.runtime.tiny import tiny_gemma3, tiny_model
 from selfspec.testing import eagle_draft, greedy_reference, random_prompt
 
@@ -298,6 +298,54 @@ def test_save_load_round_trip_and_factory(llama, tmp_path):
     assert make_eagle_drafter(llama, str(tmp_path / "d"), nodes=4).policy.nodes == 4
     ids = random_prompt(6, seed=1)
     assert torch.equal(generate(llama, drafter, ids, max_new_tokens=15).sequences, greedy_reference(llama, ids, 15))
+
+
+def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama, tmp_path, monkeypatch):
+    import eagle.drafter as drafter_module
+
+    draft = eagle_draft(llama, seed=4, draft_vocab_size=50)
+    draft.config.decoding = {"depth": 3, "nodes": 7, "top_k": 2, "width": 2}
+    draft.config.decoding_by_machine = {
+        "x86_64-avx512": {"policy": {"depth": 4, "nodes": 4, "top_k": 2, "width": 2, "threshold": 0.4},
+                          "calibrated_on": "AMD EPYC (test)", "date": "2026-12-07"},
+        "cuda": {"policy": {"depth": 6, "nodes": 40, "top_k": 8, "width": 4}}}
+    save_pretrained(draft, tmp_path / "d")
+    card = (tmp_path / "d" / "README.md").read_text()
+    assert "## Drafting calibrated per kind of machine" in card and "AMD EPYC (test) 2026-12-07" in card
+    for machine, expected, source in [
+            ("x86_64-avx512", EaglePolicy(depth=4, nodes=4, top_k=2, width=2, threshold=0.4),
+             "calibrated for x86_64-avx512"),
+            ("x86_64-avx2", EaglePolicy(depth=3, nodes=7, top_k=2, width=2), "default"),  # no entry: the default
+            ("aarch64", EaglePolicy(depth=3, nodes=7, top_k=2, width=2), "default")]:
+        monkeypatch.setattr(drafter_module, "machine_class", lambda device=None, m=machine: m)
+        loaded = make_eagle_drafter(llama, str(tmp_path / "d"))
+        assert (loaded.policy, loaded.policy_source) == (expected, source), machine
+    # explicit options still override the machine's entry (only what they name)
+    monkeypatch.setattr(drafter_module, "machine_class", lambda device=None: "x86_64-avx512")
+    loaded = make_eagle_drafter(llama, str(tmp_path / "d"), nodes=6)
+    assert loaded.policy == EaglePolicy(depth=4, nodes=6, top_k=2, width=2, threshold=0.4)
+    assert loaded.policy_source == "calibrated for x86_64-avx512 + options"
+    ids = random_prompt(6, seed=1)  # and decodes losslessly, as any policy must
+    assert torch.equal(generate(llama, loaded, ids, max_new_tokens=15).sequences, greedy_reference(llama, ids, 15))
+    assert EagleDrafter(llama, draft, EaglePolicy()).policy_source == "given"
+    # an entry that is not what calibrate writes is refused on load, naming the entry and the fix
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["decoding_by_machine"]["cuda"] = {"depth": 6}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"decoding_by_machine\['cuda'\] must be an object with a 'policy'"):
+        EagleConfig.load(tmp_path / "d" / "config.json")
+
+
+def test_machine_classes_follow_the_vector_unit(monkeypatch):
+    from selfspec.runtime import kernels, skinny
+
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    for flags, expected in [("fma avx2", "x86_64-avx2"), ("avx2 avx512f avx512bw", "x86_64-avx512"),
+                            ("avx2 avx512f amx_tile amx_bf16", "x86_64-avx512-amx"), ("sse4_2", "x86_64")]:
+        monkeypatch.setattr(skinny, "cpuinfo_fields", lambda flags=flags: {"flags": flags})
+        assert kernels.machine_class() == expected == kernels.machine_class("cpu")
+    assert kernels.machine_class(torch.device("cuda", 1)) == "cuda"  # a device's type, whatever the CPU
+    assert kernels.machine_class("meta") == "meta"
 
 
 def test_bad_input_is_refused_clearly(llama, tmp_path):
