@@ -67,7 +67,7 @@ def test_the_draft_grows_with_the_match_and_follows_the_majority():
     # "8 9" occurred three times before the final one (after 7, 6, 5: a 2-token match each), continued twice by
     # 1 2 3 4 and once by 5 6
     seq = [7, 8, 9, 1, 2, 3, 4, 6, 8, 9, 5, 6, 5, 8, 9, 1, 2, 3, 4, 0, 8, 9]
-    tree = LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5).propose(_state(seq))
+    tree = LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5, nodes_per_match=None).propose(_state(seq))
     # 2 matched tokens -> depth 4; 1 2 3 4 scores 2/3 and comes first, then 5 (1/3)
     assert tree.tokens.tolist() == [1, 2, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 1, 2, -1]
     # a longer match elsewhere wins over more frequent shorter ones
@@ -76,12 +76,16 @@ def test_the_draft_grows_with_the_match_and_follows_the_majority():
     assert short.tokens.tolist() == [5]  # a 1-token match drafts 1 token
     long = LookupDrafter(tokens_per_match=1, num_tokens=10).propose(_state([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]))
     assert long.tokens.tolist() == [5, 6, 7, 1]  # 4 matched tokens: 4 drafted, running into the root
-    classic = LookupDrafter(max_ngram=3, num_tokens=4, num_candidates=1, nodes=None, tokens_per_match=None)
+    classic = LookupDrafter(max_ngram=3, num_tokens=4, num_candidates=1, nodes=None, tokens_per_match=None,
+                            nodes_per_match=None)
     assert classic.propose(_state(seq)).tokens.tolist() == [1, 2, 3, 4]
     # a node budget per matched token: the 2-token match gets 2 * 2 of the 5 nodes (the majority path first)
     assert LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5, nodes_per_match=2).propose(
         _state(seq)).tokens.tolist() == [1, 2, 3, 4]
     assert make_drafter("lookup", None, None, nodes_per_match="none").nodes_per_match is None
+    # ... which is on by default: 2 nodes per matched token
+    assert LookupDrafter().nodes_per_match == 2
+    assert LookupDrafter(tokens_per_match=2, num_tokens=10, nodes=5).propose(_state(seq)).tokens.tolist() == [1, 2, 3, 4]
     assert LookupDrafter().propose(_state([1, 2, 3])) is None
 
 
