@@ -200,6 +200,9 @@ class DatastoreDrafter(DrafterBase):
         ValueError: sizes below 1, ``min_ngram > max_ngram``, ``min_score`` outside [0, 1).
     """
 
+    #: what it drafts with, as a benchmark records it (``selfspec.bench.methods.drafter_settings``)
+    SETTINGS = ("nodes", "num_tokens", "min_ngram", "max_ngram", "min_score", "max_occurrences")
+
     def __init__(self, datastore: Datastore, *, nodes: int = 2, num_tokens: int = 4, min_ngram: int = 2,
                  max_ngram: int = 16, min_score: float = 0.05, max_occurrences: int = 64):
         for name, value in (("nodes", nodes), ("num_tokens", num_tokens), ("min_ngram", min_ngram),

@@ -110,6 +110,9 @@ class LookupDrafter(DrafterBase):
         ValueError: sizes below 1, or ``min_ngram > max_ngram``.
     """
 
+    #: what it drafts with, as a benchmark records it (``selfspec.bench.methods.drafter_settings``)
+    SETTINGS = ("max_ngram", "min_ngram", "num_tokens", "num_candidates", "nodes", "tokens_per_match", "nodes_per_match")
+
     def __init__(self, max_ngram: int = 32, min_ngram: int = 1, num_tokens: int = 15, num_candidates: int = 8,
                  nodes: int | None = 6, tokens_per_match: int | None = 4, nodes_per_match: int | None = 2):
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
@@ -138,8 +141,8 @@ class LookupDrafter(DrafterBase):
         return count_tree(continuations, nodes)
 
 
-#: the options ``make_lookup_drafter`` accepts; ``none`` turns off the two that can be unbounded
-_OPTIONS = ("max_ngram", "min_ngram", "num_tokens", "num_candidates", "nodes", "tokens_per_match", "nodes_per_match")
+#: the options ``make_lookup_drafter`` accepts; ``none`` turns off those that can be unbounded
+_OPTIONS = LookupDrafter.SETTINGS
 
 
 def make_lookup_drafter(model, heads_dir=None, **options) -> LookupDrafter:

@@ -10,7 +10,7 @@ spec may end in ``@stock`` / ``@onednn`` to run on that linear backend (``selfsp
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -238,6 +238,26 @@ def _int_arg(method: str, value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{method}: expected an integer argument, got {value!r}") from None
+
+
+def drafter_settings(drafter: Any) -> list[dict]:
+    """What each drafter inside ``drafter`` (the members of combinations and fallbacks, in order) runs with: its
+    class, its policy's fields (a dataclass ``policy``, or the attributes a class lists in ``SETTINGS``) and, where
+    the drafter says, where its policy came from (``policy_source``: a feature drafter's default or the entry
+    calibrated for this kind of machine)."""
+    from decoding.combine import CombinedDrafter, FallbackDrafter
+
+    if isinstance(drafter, (CombinedDrafter, FallbackDrafter)):
+        return [s for member in drafter.drafters for s in drafter_settings(member)]
+    policy = getattr(drafter, "policy", None)
+    if is_dataclass(policy) and not isinstance(policy, type):
+        fields = asdict(policy)
+    else:
+        fields = {name: getattr(drafter, name) for name in getattr(drafter, "SETTINGS", ())}
+    entry = {"drafter": type(drafter).__name__, "settings": fields}
+    if getattr(drafter, "policy_source", None):
+        entry["policy_source"] = drafter.policy_source
+    return [entry]
 
 
 class DrafterMethod:

@@ -78,6 +78,18 @@ def fallback_lines(results: dict) -> str:
                       "| method | tree from | no tree |", "|---|---|---:|", *rows]) + "\n"
 
 
+def drafter_lines(results: dict) -> str:
+    """What each method's drafters ran with (``drafter_settings``: a feature drafter's tree resolved for this kind of
+    machine, lookup's budget...), or an empty string when no method records any."""
+    rows = [f"| {name} | {d['drafter']} | " + ", ".join(f"{k}={v}" for k, v in d["settings"].items())
+            + f" | {d.get('policy_source', '-')} |"
+            for name, e in results["methods"].items() for d in e.get("drafters") or ()]
+    if not rows:
+        return ""
+    return "\n".join(["Drafters as run", "", "| method | drafter | settings | policy from |", "|---|---|---|---|",
+                      *rows]) + "\n"
+
+
 def divergence_lines(results: dict) -> str:
     """A table of every output that differs from vanilla's, or an empty string when none does."""
     rows = [f"| {name} | {d['prompt']} | {d['position']} | {_fmt(d['gap'], '.2e')} | "
@@ -122,7 +134,7 @@ def write_results(results: dict, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")
     paths["md"].write_text("# Benchmark\n\n" + markdown_table(results) + "\n" + _paragraph(category_lines(results))
-                           + _paragraph(fallback_lines(results))
+                           + _paragraph(fallback_lines(results)) + _paragraph(drafter_lines(results))
                            + divergence_lines(results) + config_lines(results["config"]))
     plot_results(results, paths["png"])
     return paths

@@ -20,7 +20,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from selfspec.bench.cost import cpu_model
-from selfspec.bench.methods import Generation, GenSettings, Method, parse_method
+from selfspec.bench.methods import DrafterMethod, Generation, GenSettings, Method, drafter_settings, parse_method
 from selfspec.runtime.prompts import choose_prompts, encode_prompt, read_prompts
 
 REFERENCE = "vanilla"
@@ -92,6 +92,9 @@ class BenchRun:
     prompts: list[Prompt]
     settings: GenSettings
     generations: dict[str, list[Generation]] = field(default_factory=dict)
+    #: per method, the settings each drafter inside it ran with (``methods.drafter_settings``): a spec such as
+    #: ``eagle:DIR`` resolves to the policy saved for this kind of machine, which results must record
+    drafters: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def run_benchmark(model: Any, prompts: Sequence[Prompt], methods: Sequence[Method | str], settings: GenSettings, *,
@@ -121,6 +124,8 @@ def run_benchmark(model: Any, prompts: Sequence[Prompt], methods: Sequence[Metho
     for method in methods:
         method.generate(model, run.prompts[0].input_ids, warm)
         run.generations[method.name] = [None] * len(run.prompts)  # type: ignore[list-item]
+        if isinstance(method, DrafterMethod):
+            run.drafters[method.name] = drafter_settings(method.drafter(model))
     bar = tqdm(total=len(run.prompts) * len(methods), desc="bench", disable=not progress)
     for i, prompt in enumerate(run.prompts):
         shift = i % len(methods)
@@ -212,6 +217,8 @@ def summarize(model: Any, run: BenchRun, *, near_tie: float = NEAR_TIE) -> dict:
             entry.update(lossless_check(model, run, name, near_tie=near_tie, gaps=gaps))
         else:
             entry.update({"identical": None, "total": len(gens), "divergences": [], "bugs": None})
+        if name in run.drafters:
+            entry["drafters"] = run.drafters[name]
         entry["per_prompt"] = [{"prompt": p.id, "category": p.category, "new_tokens": len(g.tokens),
                                 "seconds": g.seconds, "tau": g.tau} for p, g in zip(run.prompts, gens)]
         entry["per_category"] = per_category(run, name)

@@ -325,6 +325,36 @@ def test_a_fallback_method_reports_which_drafter_each_step_came_from(tmp_path):
     assert lookup_share in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_results_record_what_each_drafter_ran_with(tmp_path, monkeypatch):
+    """``eagle:DIR`` means the tree saved for the machine it runs on: results.json records the resolved policy and
+    where it came from, for every member of a combination or fallback (lookup's options too)."""
+    import eagle.drafter as drafter_module
+    from eagle.model import save_pretrained
+    from selfspec.testing import eagle_draft
+
+    model = tiny_model("llama")
+    draft = eagle_draft(model, draft_vocab_size=64)
+    draft.config.decoding = {"depth": 2, "nodes": 3, "top_k": 2, "width": 2}
+    draft.config.decoding_by_machine = {"test-class": {"policy": {"depth": 3, "nodes": 5, "top_k": 2, "width": 1}}}
+    save_pretrained(draft, tmp_path / "e")
+    monkeypatch.setattr(drafter_module, "machine_class", lambda device=None: "test-class")
+    prompts = synthetic_prompts(model.config.vocab_size, 1, seed=0)
+    spec = f"lookup[nodes=4]|eagle:{tmp_path / 'e'}"
+    run = run_benchmark(model, prompts, [spec], GenSettings(max_new_tokens=8), warmup_tokens=2, progress=False)
+    entry = summarize(model, run)[spec]
+    lookup_entry, eagle_entry = entry["drafters"]
+    assert lookup_entry["drafter"] == "LookupDrafter" and lookup_entry["settings"]["nodes"] == 4
+    assert lookup_entry["settings"]["nodes_per_match"] == 2 and "policy_source" not in lookup_entry
+    assert eagle_entry["drafter"] == "EagleDrafter" and eagle_entry["policy_source"] == "calibrated for test-class"
+    assert (eagle_entry["settings"]["depth"], eagle_entry["settings"]["nodes"]) == (3, 5)
+    assert "drafters" not in summarize(model, run)["vanilla"]
+    json.dumps(entry["drafters"])  # as results.json stores it
+    write_results({"methods": summarize(model, run), "config": {"model": "tiny:llama"}}, tmp_path / "out")
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "Drafters as run" in text and "| EagleDrafter | depth=3, nodes=5," in text
+    assert "| calibrated for test-class |" in text and "nodes_per_match=2" in text
+
+
 def test_fallback_counts_name_the_members_of_nested_groups():
     from decoding import combine, fallback, fallback_counts
     from lookup import LookupDrafter
