@@ -314,9 +314,14 @@ def saved_policy(config, device: torch.device | str | None = None) -> tuple[dict
     (``selfspec.runtime.kernels.machine_class``), else its default ``decoding``; ``source`` says which."""
     machine = machine_class(device)
     entry = (getattr(config, "decoding_by_machine", None) or {}).get(machine)
-    if entry is not None:
-        return dict(entry["policy"]), f"calibrated for {machine}"
-    return dict(config.decoding or {}), "default"
+    options, source, where = ((dict(entry["policy"]), f"calibrated for {machine}", f"decoding_by_machine[{machine!r}]")
+                              if entry is not None else (dict(config.decoding or {}), "default", "decoding"))
+    unknown = sorted(set(options) - set(EaglePolicy.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"eagle drafter config: {where} names unknown option(s) {unknown} (known: "
+                         f"{sorted(EaglePolicy.__dataclass_fields__)}); fix the entry in config.json or recalibrate "
+                         "with `selfspec calibrate`")
+    return options, source
 
 
 def load(model, heads_dir: str | Path, *, policy: EaglePolicy | None = None, **options) -> EagleDrafter:

@@ -172,8 +172,12 @@ class EagleRecipe(T.Recipe):
             if cfg.draft.draft_vocab_size is not None and cfg.draft.draft_vocab_size < size:
                 self.accelerator.print(f"eagle: init_from's draft vocabulary of {size} is kept (draft.draft_vocab_size="
                                        f"{cfg.draft.draft_vocab_size}): a vocabulary can be extended, not cut")
+            if saved.config.decoding_by_machine:  # trees tuned for the old weights: recalibrate the new ones
+                self.accelerator.print(f"eagle: init_from's trees calibrated per kind of machine "
+                                       f"({', '.join(sorted(saved.config.decoding_by_machine))}) are dropped: they "
+                                       "were chosen for its weights; `selfspec calibrate` the new drafter")
             config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model,
-                                         draft_vocab_size=size)
+                                         draft_vocab_size=size, decoding_by_machine={})
             aux = list(config.aux_layers)
             draft_vocab = extended_vocab(saved.draft_vocab, self.train_examples, size, vocab) if size < vocab else None
         elif config.draft_vocab_size < vocab:

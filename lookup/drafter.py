@@ -18,7 +18,10 @@ few tokens on (8 tokens ~1.5x one token on a 2-core Xeon), and 8 nodes decoded M
 for 15 (docs/RESULTS.md, "Exact grids"). Once the whole decoder stack ran as one call (a plain step 9.5 -> 7.4 ms,
 the extra tokens costing what they did), a replay of MT-bench 1-40 against the new curve put 6 nodes first (1.66x
 predicted; 8: 1.61x, 4: 1.61x, a budget of 2-4 nodes per matched token 1.64-1.65x; docs/RESULTS.md, "One call for
-the whole stack"). ``lookup[nodes=15]`` restores the old tree, ``lookup[nodes=8]`` the last one.
+the whole stack"). On a Zen 5 a budget of 2 nodes per matched token (``nodes_per_match``) then won as the
+feature drafter's guard and alone, and became the default: a 1-token match proposes 2 nodes, 2 tokens 4, longer
+matches 6. ``lookup[nodes=15,nodes_per_match=none]`` restores the first tree, ``lookup[nodes_per_match=none]`` the
+last one.
 """
 
 from __future__ import annotations

@@ -135,6 +135,8 @@ class MedusaDrafter(ContextDrafter):
     """
 
     hidden_layers = (-1,)
+    #: what it drafts with, as a benchmark records it (``selfspec.bench.methods.drafter_settings``)
+    SETTINGS = ("tree_nodes", "tree_depth", "dynamic", "width", "top_k", "draft_weights")
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec = None, *, dynamic: int | str | None = None,
                  width: int | str | None = None, top_k: int | str | None = None, draft_weights: str | None = None):
@@ -162,6 +164,29 @@ class MedusaDrafter(ContextDrafter):
         # Prefix attention: its KV cache of verified positions, and its output at the last one (the start state).
         self.context_cache = LayerCache() if heads.prefix is not None else None
         self._start: torch.Tensor | None = None
+
+    @property
+    def tree_nodes(self) -> int:
+        """Nodes of the static tree (a dynamic tree's pool or depth template)."""
+        return len(self.template)
+
+    @property
+    def tree_depth(self) -> int:
+        return int(self.template.max_depth)
+
+    @property
+    def dynamic(self) -> int | None:
+        """A dynamic tree's node budget (None: the static tree as it is)."""
+        chosen = self.beam if self.beam is not None else self.selector
+        return None if chosen is None else int(chosen.size)
+
+    @property
+    def width(self) -> int | None:
+        return None if self.beam is None else self.beam.width
+
+    @property
+    def top_k(self) -> int | None:
+        return None if self.beam is None else self.beam.top_k
 
     def begin(self, state: DecodeState) -> None:
         with using_draft_weights(self.draft_weights):

@@ -3,8 +3,8 @@ machine's measured cost curve predicts, in seconds per setting and without one v
 (``selfspec.bench.replay``). How the prompt-lookup tree and the datastore were tuned (docs/RESULTS.md):
 
     python scripts/replay_drafters.py --prompts mt_bench_1-40.jsonl --limit 40 --max-new-tokens 256 --drafters \\
-        "lookup max_ngram=3 num_tokens=4 num_candidates=1 nodes=none tokens_per_match=none; lookup; \\
-         lookup+datastore:runs/datastore; medusa:heads/smollm2-135m-instruct-medusa-seq+lookup"
+        "lookup max_ngram=3 num_tokens=4 num_candidates=1 nodes=none tokens_per_match=none nodes_per_match=none; \\
+         lookup; lookup+datastore:runs/datastore; medusa:heads/smollm2-135m-instruct-medusa-seq+lookup"
 
 Drafters are separated by ``;``: a registry spec (parts joined by ``+`` or ``|``, each ``NAME[:DIR]``), then
 ``key=value`` options (``datastore.nodes=8`` for a part other than the first). Predicted speedup = tokens / sum over

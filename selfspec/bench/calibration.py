@@ -473,11 +473,12 @@ def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any]
     config = draft.config
     policy = {**saved_policy(config, device)[0], **options}
     machine = machine_class(device)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else None) or report.get("cpu") or machine
     config.decoding_by_machine = {**(config.decoding_by_machine or {}), machine: {
-        "policy": policy, "calibrated_on": report.get("cpu") or machine,
+        "policy": policy, "calibrated_on": where,
         "date": datetime.date.today().isoformat()}}
     if not keep_default:
-        config.decoding = {**(config.decoding or {}), **options}
+        config.decoding = dict(policy)  # what was measured: the grid's options over this machine's saved policy
     old = _card(heads_dir)
     card = None if old is None else _merged_card(old, render_card(config))
     save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir), card=card)

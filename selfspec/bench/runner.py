@@ -20,7 +20,15 @@ import transformers
 from tqdm.auto import tqdm
 
 from selfspec.bench.cost import cpu_model
-from selfspec.bench.methods import DrafterMethod, Generation, GenSettings, Method, drafter_settings, parse_method
+from selfspec.bench.methods import (
+    BackendMethod,
+    DrafterMethod,
+    Generation,
+    GenSettings,
+    Method,
+    drafter_settings,
+    parse_method,
+)
 from selfspec.runtime.prompts import choose_prompts, encode_prompt, read_prompts
 
 REFERENCE = "vanilla"
@@ -124,8 +132,13 @@ def run_benchmark(model: Any, prompts: Sequence[Prompt], methods: Sequence[Metho
     for method in methods:
         method.generate(model, run.prompts[0].input_ids, warm)
         run.generations[method.name] = [None] * len(run.prompts)  # type: ignore[list-item]
-        if isinstance(method, DrafterMethod):
-            run.drafters[method.name] = drafter_settings(method.drafter(model))
+        inner, scopes = method, []
+        while isinstance(inner, BackendMethod):  # METHOD@BACKEND, METHOD@WEIGHTS
+            scopes.append(getattr(inner, "weights", None) or inner.backend)
+            inner = inner.inner
+        if isinstance(inner, DrafterMethod):
+            run.drafters[method.name] = [{**d, "scope": "@" + "@".join(scopes)} if scopes else d
+                                         for d in drafter_settings(inner.drafter(model))]
     bar = tqdm(total=len(run.prompts) * len(methods), desc="bench", disable=not progress)
     for i, prompt in enumerate(run.prompts):
         shift = i % len(methods)

@@ -15,7 +15,8 @@ An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo ex
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
 saved as the classifier's default ``policy``. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way
-(its tree's depth, node budget, children per node and width; saved as its default ``decoding``): its draft cost
+(its tree's depth, node budget, children per node and width; saved for this kind of machine, ``decoding_by_machine``,
+and as its default ``decoding`` unless ``--keep-default``): its draft cost
 depends on the tree and on this machine's kernels as much as its acceptance does. Either can be calibrated as it
 will be used: merged with other drafters into one tree (``--merged-with lookup``) or as a fallback asked only where
 others propose nothing (``--fallback-of lookup``, for ``--draft 'lookup|eagle'``). A feature drafter's grid may
@@ -285,7 +286,8 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                                   "vs_chosen_95": r.vs_chosen}
                                  for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
-                  "cpu": cpu_model(), "machine_class": machine_class(model.device), "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
+                  "cpu": cpu_model(), "machine_class": machine_class(model.device),
+                  "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
         extra = {"keep_default": args.keep_default} if kind == "eagle" else {}
         path = search.save(model, args.heads, best.options, report, **extra)

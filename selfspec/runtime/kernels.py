@@ -399,16 +399,21 @@ def cpu_signature() -> dict:
 
 def machine_class(device: torch.device | str | None = None) -> str:
     """The coarse kind of machine a drafting policy is calibrated for (``eagle``'s ``decoding_by_machine``): what a
-    tree and a draft step cost depends first on the vector unit, so a CPU is classed by its widest float32
-    multiply-add extension (``x86_64-avx2``, ``x86_64-avx512``, ``x86_64-avx512-amx``; else the architecture, e.g.
-    ``aarch64``) and any other device by its type (``cuda``). Coarse on purpose: a class must recur across machines
-    to be worth a saved policy; ``selfspec calibrate`` finds the best one for a given machine."""
+    tree and a draft step cost depends first on the vector unit, so a CPU is classed by its widest vector extension
+    (``x86_64-avx2``, ``x86_64-avx512``, and ``x86_64-avx512-amx`` where AMX tiles sit beside AVX-512; else the
+    architecture, e.g. ``aarch64``) and any other device by its type (``cuda``). Coarse on purpose: a class must
+    recur across machines to be worth a saved policy; ``selfspec calibrate`` finds the best one for a given machine.
+    Where there is no /proc/cpuinfo (macOS, Windows), PyTorch's own reading of the CPU decides."""
     import platform
 
     if device is not None and torch.device(device).type != "cpu":
         return torch.device(device).type
-    arch = platform.machine() or "cpu"
+    arch = platform.machine().lower() or "cpu"
+    arch = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
     flags = set(skinny.cpuinfo_fields().get("flags", "").split())
+    if not flags:  # no /proc/cpuinfo: torch's capability ("AVX512", "AVX2", ...)
+        capability = str(torch.backends.cpu.get_cpu_capability()).lower()
+        flags = {"avx512f"} if capability.startswith("avx512") else {"avx2"} if capability == "avx2" else set()
     if "avx512f" in flags:
         return f"{arch}-avx512-amx" if "amx_tile" in flags else f"{arch}-avx512"
     return f"{arch}-avx2" if "avx2" in flags else arch

@@ -318,6 +318,12 @@ def test_a_fallback_method_reports_which_drafter_each_step_came_from(tmp_path):
     assert pooled == {name: sum(g.fallback[name] for g in gens) for name in ("lookup", "medusa")}
     assert pooled["lookup"] > 0 and pooled["medusa"] > 0  # both kinds of step happened
     assert results["vanilla"]["fallback_steps"] is None
+    medusa_settings = entry["drafters"][1]
+    assert medusa_settings["drafter"] == "MedusaDrafter" and json.dumps(medusa_settings)
+    import medusa
+    alone = medusa.load(model, tmp_path / "h")
+    assert medusa_settings["settings"] == {"tree_nodes": len(alone.template), "tree_depth": alone.template.max_depth,
+                                           "dynamic": None, "width": None, "top_k": None, "draft_weights": None}
     text = fallback_lines({"methods": results})
     lookup_share = f"lookup {pooled['lookup'] / entry['steps']:.0%}"
     assert f"| {spec} | {lookup_share}, medusa " in text and "vanilla" not in text
@@ -348,6 +354,10 @@ def test_results_record_what_each_drafter_ran_with(tmp_path, monkeypatch):
     assert eagle_entry["drafter"] == "EagleDrafter" and eagle_entry["policy_source"] == "calibrated for test-class"
     assert (eagle_entry["settings"]["depth"], eagle_entry["settings"]["nodes"]) == (3, 5)
     assert "drafters" not in summarize(model, run)["vanilla"]
+    scoped = f"eagle:{tmp_path / 'e'}@q8_0"  # a method under another draft format records it beside its policy
+    run2 = run_benchmark(model, prompts, [scoped], GenSettings(max_new_tokens=4), warmup_tokens=2, progress=False)
+    (only,) = summarize(model, run2)[scoped]["drafters"]
+    assert only["scope"] == "@q8_0" and only["drafter"] == "EagleDrafter"
     json.dumps(entry["drafters"])  # as results.json stores it
     write_results({"methods": summarize(model, run), "config": {"model": "tiny:llama"}}, tmp_path / "out")
     text = (tmp_path / "out" / "results.md").read_text()

@@ -333,6 +333,17 @@ def test_calibrate_can_keep_a_shared_drafters_default_and_save_for_this_machine_
     # a second calibration on this machine starts from the machine's entry
     assert main([*argv, "--grid", "depth=2 nodes=2,4", "--dry-run"]) == 0
     assert f"({'calibrated for ' + machine})" in capsys.readouterr().out
+    # without --keep-default the default becomes the policy that was measured: the grid's options over this
+    # machine's entry (its threshold included), not over the old default
+    entry = config["decoding_by_machine"][machine]["policy"]
+    draft.config.decoding, draft.config.decoding_by_machine = {"depth": 2, "nodes": 2, "top_k": 2, "width": 2}, {
+        machine: {"policy": {**entry, "threshold": 0.25, "min_prob": 0.01}}}
+    save_pretrained(draft, heads)
+    assert main([*argv[:-1], "--grid", "depth=1,2 nodes=3"]) == 0
+    config = json.loads((heads / "config.json").read_text())
+    chosen = json.loads((heads / "calibration.json").read_text())["chosen"]
+    assert config["decoding"] == config["decoding_by_machine"][machine]["policy"] == {
+        **entry, "threshold": 0.25, "min_prob": 0.01, **chosen}
 
 
 def test_keep_default_is_for_feature_drafters_only(tmp_path, capsys):

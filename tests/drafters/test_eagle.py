@@ -304,7 +304,7 @@ def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama
     import eagle.drafter as drafter_module
 
     draft = eagle_draft(llama, seed=4, draft_vocab_size=50)
-    draft.config.decoding = {"depth": 3, "nodes": 7, "top_k": 2, "width": 2}
+    draft.config.decoding = {"depth": 3, "nodes": 7, "top_k": 2, "width": 2, "min_prob": 0.01}
     draft.config.decoding_by_machine = {
         "x86_64-avx512": {"policy": {"depth": 4, "nodes": 4, "top_k": 2, "width": 2, "threshold": 0.4},
                           "calibrated_on": "AMD EPYC (test)", "date": "2026-12-07"},
@@ -315,11 +315,12 @@ def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama
     for machine, expected, source in [
             ("x86_64-avx512", EaglePolicy(depth=4, nodes=4, top_k=2, width=2, threshold=0.4),
              "calibrated for x86_64-avx512"),
-            ("x86_64-avx2", EaglePolicy(depth=3, nodes=7, top_k=2, width=2), "default"),  # no entry: the default
-            ("aarch64", EaglePolicy(depth=3, nodes=7, top_k=2, width=2), "default")]:
+            ("x86_64-avx2", EaglePolicy(depth=3, nodes=7, top_k=2, width=2, min_prob=0.01), "default"),  # no entry
+            ("aarch64", EaglePolicy(depth=3, nodes=7, top_k=2, width=2, min_prob=0.01), "default")]:
         monkeypatch.setattr(drafter_module, "machine_class", lambda device=None, m=machine: m)
         loaded = make_eagle_drafter(llama, str(tmp_path / "d"))
         assert (loaded.policy, loaded.policy_source) == (expected, source), machine
+    # (an entry replaces the default whole: the default's min_prob did not leak into it)
     # explicit options still override the machine's entry (only what they name)
     monkeypatch.setattr(drafter_module, "machine_class", lambda device=None: "x86_64-avx512")
     loaded = make_eagle_drafter(llama, str(tmp_path / "d"), nodes=6)
@@ -328,6 +329,15 @@ def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama
     ids = random_prompt(6, seed=1)  # and decodes losslessly, as any policy must
     assert torch.equal(generate(llama, loaded, ids, max_new_tokens=15).sequences, greedy_reference(llama, ids, 15))
     assert EagleDrafter(llama, draft, EaglePolicy()).policy_source == "given"
+    # an entry with an option the drafter does not have is refused where it would be used, naming it and the fix
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["decoding_by_machine"]["x86_64-avx512"]["policy"]["treshold"] = 0.4
+    bad = tmp_path / "typo"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"decoding_by_machine\['x86_64-avx512'\] names unknown option\(s\) "
+                                         r"\['treshold'\].*recalibrate"):
+        drafter_module.saved_policy(EagleConfig.load(bad / "config.json"))
     # an entry that is not what calibrate writes is refused on load, naming the entry and the fix
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     config["decoding_by_machine"]["cuda"] = {"depth": 6}
@@ -344,6 +354,15 @@ def test_machine_classes_follow_the_vector_unit(monkeypatch):
                             ("avx2 avx512f amx_tile amx_bf16", "x86_64-avx512-amx"), ("sse4_2", "x86_64")]:
         monkeypatch.setattr(skinny, "cpuinfo_fields", lambda flags=flags: {"flags": flags})
         assert kernels.machine_class() == expected == kernels.machine_class("cpu")
+    monkeypatch.setattr("platform.machine", lambda: "AMD64")  # Windows' name for it, and no /proc/cpuinfo there
+    monkeypatch.setattr(skinny, "cpuinfo_fields", lambda: {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kernels.machine_class() == "x86_64-avx2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert kernels.machine_class() == "x86_64-avx512"
+    monkeypatch.setattr("platform.machine", lambda: "arm64")  # macOS
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert kernels.machine_class() == "aarch64"
     assert kernels.machine_class(torch.device("cuda", 1)) == "cuda"  # a device's type, whatever the CPU
     assert kernels.machine_class("meta") == "meta"
 

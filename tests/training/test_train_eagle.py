@@ -291,14 +291,20 @@ def test_a_resume_on_changed_data_keeps_the_checkpoints_draft_vocabulary_and_wha
                                torch.softmax(torch.nn.functional.linear(last, head).float(), -1)[:, saved])
 
 
-def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
+def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path, capsys):
     """Started from a saved drafter (another data mix, different frequent tokens), a run keeps its layers, draft
-    vocabulary and weights: with lr 0 it saves the same drafter, and training goes on from its loss."""
+    vocabulary and weights: with lr 0 it saves the same drafter, and training goes on from its loss. The trees it
+    had calibrated per kind of machine were chosen for its weights and are not carried over."""
+    from eagle.model import from_pretrained, save_pretrained
+
     data = repetitive_conversations(tmp_path / "d.jsonl", 12)
     first = build(args(tmp_path, data, "optim.max_steps=6", "optim.lr=0.01", "logging.log_every=1", "loss=hard"))
     first.train()
     first.save_heads(first.evaluate())
     saved = tmp_path / "run" / "heads"
+    calibrated = from_pretrained(saved, first.base)
+    calibrated.config.decoding_by_machine = {"x86_64-avx2": {"policy": {"depth": 5, "nodes": 3}}}
+    save_pretrained(calibrated, saved)
     other = repetitive_conversations(tmp_path / "other.jsonl", 9)
     again = build(["--config", str(TINY), f"output_dir={tmp_path / 'again'}", f"data.source={other}",
                    "data.eval_samples=2", "optim.max_steps=1", "optim.lr=0", "logging.log_every=1", "loss=hard",
@@ -312,6 +318,8 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path):
     again.save_heads(again.evaluate())
     a, b = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "again" / "heads"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "again" / "heads" / "config.json").read_text())["decoding_by_machine"] == {}
+    assert "trees calibrated per kind of machine (x86_64-avx2) are dropped" in capsys.readouterr().out
     with pytest.raises(ValueError, match="set heads_dir to another directory"):  # never overwrite what it starts from
         eagle_recipe.T.load_config(eagle_recipe.RecipeConfig, TINY, [f"init_from={saved}",
                                                                      f"output_dir={tmp_path / 'run'}"])
