@@ -15,7 +15,10 @@ formats apart).
   ``transformer_layer_config`` (the base's decoder config with one layer), ``draft_vocab_size``,
   ``norm_before_residual: false``, ``eagle_aux_hidden_state_layer_ids`` (vLLM's convention: the input of decoder
   layer ``i``, i.e. ``output_hidden_states[i]``, which is selfspec's too), and ``speculators_config`` (algorithm,
-  a greedy proposal method with the drafter's depth, the verifier's name and architecture);
+  a greedy proposal method with the depth of the drafter's tree for a GPU, ``decoding_by_machine["cuda"]``, where
+  it has one, else of its default; the verifier's name and architecture), and a ``selfspec`` block (base identity,
+  accuracy, and the drafting it saved: the default and the trees per kind of machine, which an import restores;
+  engines ignore it);
 - ``model.safetensors``: ``fc.weight``, ``layers.0.{input_layernorm, hidden_norm, post_attention_layernorm}.weight``,
   ``layers.0.self_attn.{q,k,v,o}_proj.weight`` (q/k/v over ``2 * hidden`` inputs: ``[embedding; hidden]``),
   ``layers.0.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` (``[draft_vocab, hidden]``;
@@ -78,7 +81,9 @@ def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> d
                     "architectures": ["LlamaForCausalLM"] if base.config.model_type == "llama"
                     else layer_config.get("architectures")}
     identity = draft.config.base_model or base_model_identity(base)
-    depth = int((draft.config.decoding or {}).get("depth", 4))
+    # engines serve on GPUs: the tree calibrated for one where there is such an entry, else the default
+    serving = (draft.config.decoding_by_machine or {}).get("cuda", {}).get("policy") or draft.config.decoding or {}
+    depth = int(serving.get("depth", 4))
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": SPECULATORS_MODEL_TYPE,
@@ -95,8 +100,22 @@ def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> d
             "verifier": {"name_or_path": verifier or identity.get("name_or_path") or None,
                          "architectures": [identity.get("architecture") or type(base).__name__]},
         },
-        "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy},
+        "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy, **_policies(draft.config)},
     }
+
+
+def _policies(config: EagleConfig) -> dict:
+    """The drafting a selfspec drafter saves (its default and its trees per kind of machine), for the ``selfspec``
+    block of an export, from which an import restores them."""
+    return {"decoding": dict(config.decoding or {}), "decoding_by_machine": dict(config.decoding_by_machine or {})}
+
+
+def _restored_policies(block: dict | None, depth: int) -> dict:
+    """``decoding`` and ``decoding_by_machine`` for an imported drafter: what a selfspec export saved in its
+    ``selfspec`` block, else a tree of the engine's ``depth`` (a directory from another trainer)."""
+    block = block or {}
+    return {"decoding": dict(block.get("decoding") or {"depth": int(depth)}),
+            "decoding_by_machine": dict(block.get("decoding_by_machine") or {})}
 
 
 def check_captured_layers(draft: EagleDraftModel, fmt: str) -> None:
@@ -160,7 +179,7 @@ def _read_directory(directory: str | Path, what: str) -> tuple[Path, Path, dict,
 
 
 def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: list[int] | None,
-                      draft_vocab_size: int, depth: int, base_model, weights_path: Path) -> EagleDraftModel:
+                      draft_vocab_size: int, policies: dict, base_model, weights_path: Path) -> EagleDraftModel:
     """A selfspec drafter on ``base_model`` from exported tensors whose draft layer sits under ``layer_prefix``."""
     vocab = torch.arange(state["d2t"].numel()) + state["d2t"].long() if "d2t" in state else None
     if aux is None:
@@ -168,7 +187,7 @@ def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: li
         aux = list(default_aux_layers(base_model.config.num_hidden_layers))
     ours = EagleConfig(hidden_size=base_model.config.hidden_size, vocab_size=base_model.config.vocab_size,
                        draft_vocab_size=int(draft_vocab_size), aux_layers=aux, share_lm_head=False,
-                       base_model=base_model_identity(base_model), decoding={"depth": int(depth)})
+                       base_model=base_model_identity(base_model), **policies)
     draft = EagleDraftModel(ours, base_model, vocab)
     missing = [k for k in ("fc.weight", "norm.weight", "lm_head.weight", f"{layer_prefix}hidden_norm.weight")
                if k not in state]
@@ -205,7 +224,8 @@ def import_speculators(directory: str | Path, base_model) -> EagleDraftModel:
         raise ValueError(f"{config_path}: {layers} draft layers; selfspec's eagle drafter has exactly one")
     depth = config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens", 4)
     return _draft_from_state(state, "layers.0.", config.get("eagle_aux_hidden_state_layer_ids"),
-                             config["draft_vocab_size"], depth, base_model, weights_path)
+                             config["draft_vocab_size"], _restored_policies(config.get("selfspec"), depth),
+                             base_model, weights_path)
 
 
 # ------------------------------------------------------------------ the EAGLE-3 reference checkpoint (SGLang)
@@ -263,8 +283,7 @@ def eagle3_config(draft: EagleDraftModel, dtype: torch.dtype = EAGLE3_DEFAULT_DT
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in draft.config.aux_layers],
                          "use_aux_hidden_state": True},
-        "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy,
-                     "decoding": draft.config.decoding or {}},
+        "selfspec": {"base_model": identity, "accuracy": draft.config.accuracy, **_policies(draft.config)},
     }
 
 
@@ -332,10 +351,9 @@ def import_eagle3(directory: str | Path, base_model) -> EagleDraftModel:
     if extra:
         raise ValueError(f"{weights_path}: tensors {extra[:5]} that the plain EAGLE-3 layer does not have")
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    depth = (config.get("selfspec") or {}).get("decoding", {}).get("depth", 4)
     draft_vocab = config.get("draft_vocab_size") or config.get("vocab_size")
-    return _draft_from_state(state, "midlayer.", None if ids is None else [i + 1 for i in ids], draft_vocab, depth,
-                             base_model, weights_path)
+    return _draft_from_state(state, "midlayer.", None if ids is None else [i + 1 for i in ids], draft_vocab,
+                             _restored_policies(config.get("selfspec"), 4), base_model, weights_path)
 
 
 def directory_format(directory: str | Path) -> str:

@@ -440,6 +440,15 @@ def test_speculators_export_has_its_layout_and_imports_back_to_the_same_drafts(l
     draft = eagle_draft(llama, seed=8, draft_vocab_size=40, share_lm_head=share)
     draft.config.decoding = {"depth": 3}
     export_speculators(draft, tmp_path / "spec")
+    # the drafting it saved rides along and comes back; the engine's depth is the GPU tree's where there is one
+    calibrated = {"cuda": {"policy": {"depth": 5, "nodes": 30}}, "x86_64-avx2": {"policy": {"depth": 2, "nodes": 4}}}
+    draft.config.decoding_by_machine = calibrated
+    export_speculators(draft, tmp_path / "gpu")
+    assert json.loads((tmp_path / "gpu" / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
+        "speculative_tokens"] == 5
+    assert import_speculators(tmp_path / "gpu", llama).config.decoding_by_machine == calibrated
+    assert import_speculators(tmp_path / "gpu", llama).config.decoding == {"depth": 3}
+    draft.config.decoding_by_machine = {}
     state = load_file(str(tmp_path / "spec" / "model.safetensors"))
     c = llama.config
     expected = speculators_expected_shapes(c, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -482,7 +491,8 @@ def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_dec
     from eagle.export import directory_format, export_eagle3, export_speculators, load_drafter
 
     draft = eagle_draft(llama, seed=9, draft_vocab_size=40, aux_layers=[1, 2, 3])
-    draft.config.decoding = {"depth": 3}
+    draft.config.decoding = {"depth": 3, "nodes": 5}
+    draft.config.decoding_by_machine = {"x86_64-avx512": {"policy": {"depth": 4, "nodes": 4, "threshold": 0.4}}}
     save_pretrained(draft, tmp_path / "own")
     export_eagle3(draft, tmp_path / "sg", dtype=torch.float32)
     export_speculators(draft, tmp_path / "spec")
@@ -508,7 +518,9 @@ def test_eagle3_export_has_the_sglang_layout_and_every_format_loads_back_for_dec
     trees = []
     for d in ("own", "sg", "spec"):
         back = load_drafter(tmp_path / d, llama)
-        assert back.config.aux_layers == [1, 2, 3] and back.config.decoding["depth"] == 3
+        assert back.config.aux_layers == [1, 2, 3]  # and every format brings back the drafting it was saved with
+        assert (back.config.decoding, back.config.decoding_by_machine) == (draft.config.decoding,
+                                                                           draft.config.decoding_by_machine)
         with torch.no_grad():
             for a, b in zip(draft.unroll(aux, ids, torch.ones_like(ids), 3),
                             back.unroll(aux, ids, torch.ones_like(ids), 3)):
