@@ -313,9 +313,8 @@ def saved_policy(config, device: torch.device | str | None = None) -> tuple[dict
     the base model runs): its ``decoding_by_machine`` entry for this machine's class where there is one
     (``selfspec.runtime.kernels.machine_class``), else its default ``decoding``; ``source`` says which."""
     machine = machine_class(device)
-    entry = (getattr(config, "decoding_by_machine", None) or {}).get(machine)
-    options, source, where = ((dict(entry["policy"]), f"calibrated for {machine}", f"decoding_by_machine[{machine!r}]")
-                              if entry is not None else (dict(config.decoding or {}), "default", "decoding"))
+    options, where = config.policy_for(machine)
+    source = "default" if where == "decoding" else f"calibrated for {machine}"
     unknown = sorted(set(options) - set(EaglePolicy.__dataclass_fields__))
     if unknown:
         raise ValueError(f"eagle drafter config: {where} names unknown option(s) {unknown} (known: "

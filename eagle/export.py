@@ -82,8 +82,7 @@ def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> d
                     else layer_config.get("architectures")}
     identity = draft.config.base_model or base_model_identity(base)
     # engines serve on GPUs: the tree calibrated for one where there is such an entry, else the default
-    serving = (draft.config.decoding_by_machine or {}).get("cuda", {}).get("policy") or draft.config.decoding or {}
-    depth = int(serving.get("depth", 4))
+    depth = int(draft.config.policy_for("cuda")[0].get("depth", 4))
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": SPECULATORS_MODEL_TYPE,

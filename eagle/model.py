@@ -101,6 +101,15 @@ class EagleConfig:
                 raise ValueError(f"eagle config: decoding_by_machine[{machine!r}] must be an object with a 'policy' "
                                  f"object (as `selfspec calibrate` writes it), got {entry!r}; fix or remove the entry")
 
+    def policy_for(self, machine: str) -> tuple[dict, str]:
+        """``(options, source)``: the drafting saved for machines of class ``machine`` (its ``decoding_by_machine``
+        entry, whole), else the default ``decoding``; ``source`` names which (``eagle.drafter.saved_policy`` checks
+        the options and resolves the class of the machine a drafter runs on)."""
+        entry = (self.decoding_by_machine or {}).get(machine)
+        if entry is not None:
+            return dict(entry["policy"]), f"decoding_by_machine[{machine!r}]"
+        return dict(self.decoding or {}), "decoding"
+
     def save(self, directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 

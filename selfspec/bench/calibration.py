@@ -463,7 +463,6 @@ def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any]
     ``keep_default``: a drafter shared between machines keeps the default chosen elsewhere."""
     import datetime
 
-    from eagle.drafter import saved_policy
     from eagle.model import from_pretrained, render_card, save_pretrained
     from selfspec.runtime.kernels import machine_class
 
@@ -471,14 +470,14 @@ def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any]
     draft = from_pretrained(heads_dir, model)
     device = next(model.parameters()).device
     config = draft.config
-    policy = {**saved_policy(config, device)[0], **options}
     machine = machine_class(device)
+    policy = {**config.policy_for(machine)[0], **options}  # what was measured: the grid over this machine's policy
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else None) or report.get("cpu") or machine
     config.decoding_by_machine = {**(config.decoding_by_machine or {}), machine: {
         "policy": policy, "calibrated_on": where,
         "date": datetime.date.today().isoformat()}}
     if not keep_default:
-        config.decoding = dict(policy)  # what was measured: the grid's options over this machine's saved policy
+        config.decoding = dict(policy)
     old = _card(heads_dir)
     card = None if old is None else _merged_card(old, render_card(config))
     save_pretrained(draft, heads_dir, calibration=report, dtype=stored_float_dtype(heads_dir), card=card)

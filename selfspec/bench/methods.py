@@ -147,6 +147,11 @@ class BackendMethod:
     def __init__(self, name: str, inner: Method, backend: str):
         self.name, self.inner, self.backend = name, inner, backend
 
+    @property
+    def suffix(self) -> str:
+        """What follows ``@`` in its spec."""
+        return self.backend
+
     def _scope(self, model: Any):
         return linear_backend(model, self.backend)
 
@@ -162,6 +167,10 @@ class DraftWeightsMethod(BackendMethod):
 
     def __init__(self, name: str, inner: Method, weights: str):
         self.name, self.inner, self.weights = name, inner, weights
+
+    @property
+    def suffix(self) -> str:
+        return self.weights
 
     def _scope(self, model: Any):
         return using_draft_weights(self.weights)

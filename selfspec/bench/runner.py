@@ -134,7 +134,7 @@ def run_benchmark(model: Any, prompts: Sequence[Prompt], methods: Sequence[Metho
         run.generations[method.name] = [None] * len(run.prompts)  # type: ignore[list-item]
         inner, scopes = method, []
         while isinstance(inner, BackendMethod):  # METHOD@BACKEND, METHOD@WEIGHTS
-            scopes.append(getattr(inner, "weights", None) or inner.backend)
+            scopes.append(inner.suffix)
             inner = inner.inner
         if isinstance(inner, DrafterMethod):
             run.drafters[method.name] = [{**d, "scope": "@" + "@".join(scopes)} if scopes else d
