@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from decoding import by_machine
 from decoding.drafter import DecodeState, DrafterBase
 from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
@@ -314,7 +315,7 @@ def saved_policy(config, device: torch.device | str | None = None) -> tuple[dict
     (``selfspec.runtime.kernels.machine_class``), else its default ``decoding``; ``source`` says which."""
     machine = machine_class(device)
     options, where = config.policy_for(machine)
-    source = "default" if where == "decoding" else f"calibrated for {machine}"
+    source = by_machine.source_label(where, machine)
     unknown = sorted(set(options) - set(EaglePolicy.__dataclass_fields__))
     if unknown:
         raise ValueError(f"eagle drafter config: {where} names unknown option(s) {unknown} (known: "

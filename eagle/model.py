@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding import by_machine
 from selfspec.runtime import lean, skinny
 from selfspec.runtime.attention import LayerCache, skinny_attention
 from selfspec.runtime.layers import decoder_layers, num_decoder_layers
@@ -96,19 +97,14 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"eagle config: draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
                              f"{self.vocab_size}]")
-        for machine, entry in (self.decoding_by_machine or {}).items():
-            if not isinstance(entry, dict) or not isinstance(entry.get("policy"), dict):
-                raise ValueError(f"eagle config: decoding_by_machine[{machine!r}] must be an object with a 'policy' "
-                                 f"object (as `selfspec calibrate` writes it), got {entry!r}; fix or remove the entry")
+        by_machine.check_entries(self.decoding_by_machine, "eagle config: decoding_by_machine")
 
     def policy_for(self, machine: str) -> tuple[dict, str]:
         """``(options, source)``: the drafting saved for machines of class ``machine`` (its ``decoding_by_machine``
         entry, whole), else the default ``decoding``; ``source`` names which (``eagle.drafter.saved_policy`` checks
         the options and resolves the class of the machine a drafter runs on)."""
-        entry = (self.decoding_by_machine or {}).get(machine)
-        if entry is not None:
-            return dict(entry["policy"]), f"decoding_by_machine[{machine!r}]"
-        return dict(self.decoding or {}), "decoding"
+        return by_machine.policy_for(self.decoding, self.decoding_by_machine, machine,
+                                     ("decoding", "decoding_by_machine"))
 
     def save(self, directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
@@ -529,14 +525,7 @@ def render_card(config: EagleConfig) -> str:
         lines += ["## Recipe", "", "```json", json.dumps(training, indent=2), "```", ""]
     if config.decoding:
         lines += ["## Default drafting", "", f"`{json.dumps(config.decoding)}`", ""]
-    if config.decoding_by_machine:
-        lines += ["## Drafting calibrated per kind of machine", "",
-                  "Used instead of the default where the machine is of this class "
-                  "(`selfspec.runtime.kernels.machine_class`); explicit options override either.", "",
-                  "| machine class | policy | calibrated on |", "|---|---|---|"]
-        lines += [f"| {machine} | `{json.dumps(entry['policy'])}` | "
-                  f"{' '.join(str(entry[k]) for k in ('calibrated_on', 'date') if entry.get(k)) or '-'} |"
-                  for machine, entry in sorted(config.decoding_by_machine.items())] + [""]
+    lines += by_machine.card_lines(config.decoding_by_machine)
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoding import by_machine
 from early_exit.adapter import ADAPTER_KINDS, AdapterCache, AttentionAdapter, ResBlock
 from early_exit.layers import check_supported
 from selfspec.runtime.adapters import copy_backbone_adapter, resolve_backbone
@@ -51,6 +52,8 @@ class ExitClassifierConfig:
             beside the classifier (``selfspec.runtime.adapters``); None for a classifier on a frozen base.
         metrics: free-form evaluation numbers (top-1 agreement with the full model, ...).
         policy: default draft policy options (``max_depth``, ``threshold``...); callers may override them.
+        policy_by_machine: draft policies calibrated per kind of machine (``decoding.by_machine``): where the
+            machine running the classifier has an entry, its policy replaces ``policy``.
     """
 
     exit_layer: int
@@ -64,10 +67,17 @@ class ExitClassifierConfig:
     backbone_adapter: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] = field(default_factory=dict)
+    policy_by_machine: dict[str, Any] = field(default_factory=dict)
     kind: str = KIND
 
     def __post_init__(self) -> None:
         check_adapter(self.adapter, self.adapter_layers, self.adapter_heads, self.adapter_mlp_size)
+        by_machine.check_entries(self.policy_by_machine, "early-exit config: policy_by_machine")
+
+    def policy_for(self, machine: str) -> tuple[dict[str, Any], str]:
+        """``(options, where)``: the draft policy saved for machines of class ``machine``, else the default
+        (``decoding.by_machine.policy_for``)."""
+        return by_machine.policy_for(self.policy, self.policy_by_machine, machine, ("policy", "policy_by_machine"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -325,4 +335,7 @@ def default_readme(config: ExitClassifierConfig) -> str:
                   "it decodes the adapted model, which `selfspec.runtime.models.load_model(DIR)` (or `--model DIR`) loads.", ""]
     if config.metrics:
         lines += ["## Metrics", "", "```json", json.dumps(config.metrics, indent=2, sort_keys=True), "```", ""]
+    if config.policy:
+        lines += ["## Default draft policy", "", f"`{json.dumps(config.policy, sort_keys=True)}`", ""]
+    lines += by_machine.card_lines(config.policy_by_machine)
     return "\n".join(lines)

@@ -70,6 +70,9 @@ class PartialForwardDrafter(ContextDrafter):
         self.layer_ids = tuple(layer_ids)
         self.head = head
         self.policy = policy
+        #: where ``policy`` came from: "given", or (a saved classifier) "default" / "calibrated for <machine class>"
+        #: (``decoding.by_machine``), with " + options" where options overrode part of it
+        self.policy_source = "given"
         # Seconds spent in the partial layers and in the head, and draft forwards run: per-instance, for profiling.
         self.timing = {"layers_s": 0.0, "head_s": 0.0, "forwards": 0, "proposals": 0}
         self._linears: list[nn.Linear] | None = None  # the partial layers' linears (found on first use)

@@ -3,10 +3,12 @@ registered under the ``selfspec.drafters`` entry points in pyproject.toml."""
 
 from __future__ import annotations
 
+from decoding import by_machine
 from early_exit.classifier import ExitClassifier, new_classifier
 from early_exit.drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
 from early_exit.layer_skip import LayerSkipConfig, default_skip_layers
 from early_exit.layers import check_supported
+from selfspec.runtime.kernels import machine_class
 from selfspec.runtime.layers import num_decoder_layers
 
 POLICY_OPTIONS = ("max_depth", "top_k", "width", "max_nodes", "threshold")
@@ -49,7 +51,19 @@ def make_early_exit_drafter(model, heads_dir: str | None = None, *, exit_layer: 
             raise ValueError(f"{heads_dir} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
     else:
         classifier = new_classifier(model, exit_layer if exit_layer is not None else num_decoder_layers(model) // 2)
-    return EarlyExitDrafter(model, classifier, _policy(**{**classifier.config.policy, **policy}))
+    machine = machine_class(next(model.parameters()).device)
+    saved, where = classifier.config.policy_for(machine)
+    try:
+        options = _policy(**{**saved, **policy})
+    except ValueError as e:
+        if heads_dir is None:
+            raise
+        raise ValueError(f"{e} (from the options given or the classifier's saved {where} in {heads_dir}/config.json; "
+                         "fix the entry or recalibrate with `selfspec calibrate`)") from None
+    drafter = EarlyExitDrafter(model, classifier, options)
+    if heads_dir is not None:
+        drafter.policy_source = by_machine.source_label(where, machine) + " + options" * bool(policy)
+    return drafter
 
 
 def make_layer_skip_drafter(model, heads_dir: str | None = None, *, skip_layers: list[int] | None = None,

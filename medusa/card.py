@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from decoding import by_machine
 from medusa.config import MedusaConfig
 
 
@@ -73,10 +74,17 @@ def render_readme(config: MedusaConfig) -> str:
         lines += ["## Metrics", ""] + [f"- {key}: `{_compact(value)}`" for key, value in metrics.items()] + [""]
     if config.head_accuracy:
         lines += ["## Head accuracy (held-out)", ""] + _accuracy_table(config.head_accuracy) + [""]
-    if config.dynamic_tree:
-        d = config.dynamic_tree
-        lines += [f"Default drafting: a dynamic tree of {d['size']} nodes per step (the most probable paths, "
-                  f"{d.get('width', 4)} expanded per depth, top-{d.get('top_k', 4)} children each).", ""]
-    elif config.tree:
-        lines += [f"Default draft tree: {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}.", ""]
+    if config.dynamic_tree or config.tree:
+        lines += [f"Default drafting: {_drafting(config.tree, config.dynamic_tree)}.", ""]
+    lines += by_machine.card_lines(config.drafting_by_machine,
+                                   lambda policy: _drafting(policy.get("tree"), policy.get("dynamic_tree")))
     return "\n".join(lines)
+
+
+def _drafting(tree: list | None, dynamic: dict | None) -> str:
+    if dynamic:
+        return (f"a dynamic tree of {dynamic['size']} nodes per step (the most probable paths, "
+                f"{dynamic.get('width', 4)} expanded per depth, top-{dynamic.get('top_k', 4)} children each)")
+    if tree:
+        return f"a static tree of {len(tree)} nodes, depth {max(len(p) for p in tree)}"
+    return "no tree (plain decoding)" if tree == [] else "the default tree"

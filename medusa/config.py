@@ -7,11 +7,15 @@ rebuilt, checked against a base model, and its default tree recalibrated without
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from decoding import by_machine
 from selfspec.runtime.io import CONFIG_NAME
+
+#: the fields a Medusa drafting policy sets (a ``drafting_by_machine`` entry's policy)
+DRAFTING_FIELDS = ("tree", "dynamic_tree")
 
 
 @dataclass
@@ -48,6 +52,9 @@ class MedusaConfig:
             parallel heads pick them from ``tree``). ``None``: the static ``tree``.
         backbone_adapter: set by Medusa-2: the LoRA adapter saved beside the heads and the identity of the adapted
             model (``selfspec.runtime.adapters``); the heads decode that model, not the plain ``base_model``.
+        drafting_by_machine: drafting calibrated per kind of machine (``decoding.by_machine``), each policy
+            ``{"tree": [...], "dynamic_tree": {...} or None}``: where the machine running the heads has an entry,
+            it replaces ``tree`` and ``dynamic_tree`` (``drafting_for``).
 
     Raises:
         ValueError: ``num_heads`` or ``num_layers`` below 1, a negative size, or ``head_accuracy`` / ``tree`` that
@@ -71,6 +78,7 @@ class MedusaConfig:
     prefix_num_heads: int | None = None
     prefix_head_dim: int | None = None
     dynamic_tree: dict[str, int] | None = None
+    drafting_by_machine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
@@ -121,6 +129,26 @@ class MedusaConfig:
                     f"MedusaConfig.tree path {too_deep[0]} is {len(too_deep[0])} deep, but there are only "
                     f"{self.num_heads} heads (one per depth)"
                 )
+
+        by_machine.check_entries(self.drafting_by_machine, "MedusaConfig.drafting_by_machine")
+        for machine, entry in (self.drafting_by_machine or {}).items():
+            unknown = sorted(set(entry["policy"]) - set(DRAFTING_FIELDS))
+            if unknown:
+                raise ValueError(f"MedusaConfig.drafting_by_machine[{machine!r}] names unknown field(s) {unknown} "
+                                 f"(known: {list(DRAFTING_FIELDS)}); fix the entry or recalibrate with `selfspec "
+                                 "calibrate`")
+            try:  # the entry's tree and dynamic tree must be valid for these heads, as the defaults must
+                replace(self, drafting_by_machine={}, **entry["policy"])
+            except ValueError as e:
+                raise ValueError(f"MedusaConfig.drafting_by_machine[{machine!r}]: {e}") from None
+
+    def drafting_for(self, machine: str) -> tuple[dict[str, Any], str]:
+        """``(drafting, where)``: ``{"tree", "dynamic_tree"}`` saved for machines of class ``machine``, else the
+        defaults (``decoding.by_machine.policy_for``)."""
+        default = {name: getattr(self, name) for name in DRAFTING_FIELDS}
+        drafting, where = by_machine.policy_for(default, self.drafting_by_machine, machine,
+                                                ("tree/dynamic_tree", "drafting_by_machine"))
+        return {**default, **drafting}, where
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,6 +19,7 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
+from decoding import by_machine
 from decoding.drafter import ContextDrafter, DecodeState
 from decoding.tree import ROOT, DraftTree, TreeTemplate
 from medusa.dynamic import DynamicTreeSelector, SequentialBeam
@@ -26,7 +27,7 @@ from medusa.export import import_fasterdecoding, is_fasterdecoding_dir
 from medusa.heads import MedusaHeads
 from medusa.trees import DEFAULT_TREE_SIZE, default_tree
 from selfspec.runtime.attention import LayerCache
-from selfspec.runtime.kernels import check_draft_weights, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, machine_class, using_draft_weights
 
 #: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
 #: a size, a JSON list of choices, or the path of a JSON file with one.
@@ -142,6 +143,9 @@ class MedusaDrafter(ContextDrafter):
                  width: int | str | None = None, top_k: int | str | None = None, draft_weights: str | None = None):
         check_draft_weights(draft_weights, "medusa drafter")
         self.draft_weights = draft_weights
+        #: where the drafting came from: "given", or (``load``) "default" / "calibrated for <machine class>"
+        #: (``decoding.by_machine``), with " + options" where options overrode part of it
+        self.policy_source = "given"
         self.heads = heads.eval()
         saved = heads.config.dynamic_tree
         if tree is None and dynamic is None and saved:  # the calibrated default
@@ -254,7 +258,18 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
             heads = heads.to(dtype)
     else:
         heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
-    return MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k, draft_weights=draft_weights)
+    machine = machine_class(next(base_model.parameters()).device)
+    saved, where = heads.config.drafting_for(machine)
+    given = [v for v in (tree, dynamic, width, top_k, draft_weights) if v is not None]
+    if tree is None and dynamic is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting
+        tree = saved["tree"]
+        if saved["dynamic_tree"]:
+            dynamic = saved["dynamic_tree"]["size"]
+            width = saved["dynamic_tree"].get("width") if width is None else width
+            top_k = saved["dynamic_tree"].get("top_k") if top_k is None else top_k
+    drafter = MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k, draft_weights=draft_weights)
+    drafter.policy_source = by_machine.source_label(where, machine) + " + options" * bool(given)
+    return drafter
 
 
 def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, **options) -> MedusaDrafter:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from decoding import by_machine
 from decoding.drafter import DecodeState, Drafter, SamplingParams
 from decoding.generate import verify_forward
 from decoding.registry import make_drafter, resolve_spec
@@ -169,10 +170,11 @@ def calibrate(model: Any, head_accuracy: Sequence[Sequence[float]], sizes: Seque
     return best, candidates
 
 
-def save_tree(model: Any, heads_dir: str | Path, best: Candidate, report: dict) -> Path:
-    """Write ``best.choices`` as the ``tree`` of the heads' config.json (refreshing their README, which describes
-    the tree), and ``report`` to calibration.json (``save_setting``)."""
-    return save_setting(model, heads_dir, Setting(choices=best.choices), report)
+def save_tree(model: Any, heads_dir: str | Path, best: Candidate, report: dict, *, keep_default: bool = False) -> Path:
+    """Write ``best.choices`` as the heads' tree on this kind of machine and, unless ``keep_default``, as the
+    ``tree`` of their config.json (refreshing their README, which describes the tree), and ``report`` to
+    calibration.json (``save_setting``)."""
+    return save_setting(model, heads_dir, Setting(choices=best.choices), report, keep_default=keep_default)
 
 
 def report_dict(best: Candidate, candidates: list[Candidate], **extra: Any) -> dict:
@@ -303,17 +305,24 @@ def _keep_card(heads_dir: Path, old: str | None) -> None:
         atomic_write_text(heads_dir / README_NAME, _merged_card(old, (heads_dir / README_NAME).read_text()))
 
 
-def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: dict) -> Path:
-    """Make ``setting`` the heads' default drafting (``tree`` or ``dynamic_tree`` in config.json), with ``report``
-    in calibration.json: the heads are loaded onto ``model`` (which checks they belong to it) and saved again by
-    their own ``save_pretrained``, which rewrites the directory atomically."""
+def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: dict, *,
+                 keep_default: bool = False) -> Path:
+    """Make ``setting`` the heads' drafting on this kind of machine (their ``drafting_by_machine`` entry,
+    ``decoding.by_machine``) and, unless ``keep_default``, their default drafting too (``tree`` or
+    ``dynamic_tree`` in config.json), with ``report`` in calibration.json: the heads are loaded onto ``model``
+    (which checks they belong to it) and saved again by their own ``save_pretrained``, which rewrites the directory
+    atomically."""
     heads_dir = Path(heads_dir)
     heads = MedusaHeads.from_pretrained(heads_dir, model)
     config = heads.config
-    if setting.dynamic is not None:
-        config.dynamic_tree = dict(setting.dynamic)
+    machine, where = _this_machine(model, report)
+    if setting.dynamic is not None:  # parallel heads pick the dynamic tree's nodes from the static tree
+        drafting = {"tree": config.drafting_for(machine)[0]["tree"], "dynamic_tree": dict(setting.dynamic)}
     else:
-        config.tree, config.dynamic_tree = setting.choices or [], None
+        drafting = {"tree": setting.choices or [], "dynamic_tree": None}
+    config.drafting_by_machine = by_machine.with_entry(config.drafting_by_machine, machine, drafting, where)
+    if not keep_default:
+        config.tree, config.dynamic_tree = drafting["tree"], drafting["dynamic_tree"]
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
     old = _card(heads_dir)
     heads.save_pretrained(heads_dir, backbone_adapter=adapter, calibration=report)
@@ -434,8 +443,10 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
     return rows[best], rows
 
 
-def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict) -> Path:
-    """Make ``options`` the early-exit classifier's default draft policy (``policy`` in config.json), with
+def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,
+                     keep_default: bool = False) -> Path:
+    """Make ``options`` the early-exit classifier's draft policy on this kind of machine (its ``policy_by_machine``
+    entry, ``decoding.by_machine``) and, unless ``keep_default``, its default policy too (``policy``), with
     ``report`` in calibration.json, rewriting the directory atomically through the classifier's own
     ``save_pretrained`` (a LayerSkip classifier keeps its backbone adapter and the base it was trained from), in
     the dtype its weights are stored in (a float16 classifier stays float16)."""
@@ -444,13 +455,29 @@ def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any],
     heads_dir = Path(heads_dir)
     classifier = ExitClassifier.from_pretrained(heads_dir, model)
     config = classifier.config
-    config.policy = {**config.policy, **options}
+    machine, where = _this_machine(model, report)
+    policy = {**config.policy_for(machine)[0], **options}  # what was measured: the grid over this machine's policy
+    config.policy_by_machine = by_machine.with_entry(config.policy_by_machine, machine, policy, where)
+    if not keep_default:
+        config.policy = dict(policy)
     adapter = heads_dir / ADAPTER_DIR if config.backbone_adapter is not None else None
     old = _card(heads_dir)
     classifier.save_pretrained(heads_dir, model, base_identity=dict(config.base_model), backbone_adapter=adapter,
                                calibration=report, dtype=stored_float_dtype(heads_dir))
     _keep_card(heads_dir, old)  # sections the classifier's owner wrote survive
     return heads_dir / CONFIG_NAME
+
+
+def _this_machine(model: Any, report: dict) -> tuple[str, str]:
+    """``(machine class, name)`` of the machine ``model`` runs on, as a calibration saves them: the class keys the
+    entry (``selfspec.runtime.kernels.machine_class``), the name (the GPU's, else the CPU model the report names)
+    says which machine measured it."""
+    from selfspec.runtime.kernels import machine_class
+
+    device = next(model.parameters()).device
+    machine = machine_class(device)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else None) or report.get("cpu") or machine
+    return machine, where
 
 
 def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,
@@ -461,21 +488,14 @@ def save_eagle_policy(model: Any, heads_dir: str | Path, options: dict[str, Any]
     directory is rewritten atomically through the drafter's own ``save_pretrained`` in the dtype its weights are
     stored in (a float16 drafter stays float16, bit for bit), its card's hand-written sections kept.
     ``keep_default``: a drafter shared between machines keeps the default chosen elsewhere."""
-    import datetime
-
     from eagle.model import from_pretrained, render_card, save_pretrained
-    from selfspec.runtime.kernels import machine_class
 
     heads_dir = Path(heads_dir)
     draft = from_pretrained(heads_dir, model)
-    device = next(model.parameters()).device
     config = draft.config
-    machine = machine_class(device)
+    machine, where = _this_machine(model, report)
     policy = {**config.policy_for(machine)[0], **options}  # what was measured: the grid over this machine's policy
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else None) or report.get("cpu") or machine
-    config.decoding_by_machine = {**(config.decoding_by_machine or {}), machine: {
-        "policy": policy, "calibrated_on": where,
-        "date": datetime.date.today().isoformat()}}
+    config.decoding_by_machine = by_machine.with_entry(config.decoding_by_machine, machine, policy, where)
     if not keep_default:
         config.decoding = dict(policy)
     old = _card(heads_dir)

@@ -14,10 +14,11 @@ most predicted tokens per second.
 An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo exit) drafts with the base model's own
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
-saved as the classifier's default ``policy``. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way
-(its tree's depth, node budget, children per node and width; saved for this kind of machine, ``decoding_by_machine``,
-and as its default ``decoding`` unless ``--keep-default``): its draft cost
-depends on the tree and on this machine's kernels as much as its acceptance does. Either can be calibrated as it
+saved as the classifier's policy. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
+depth, node budget, children per node and width): its draft cost depends on the tree and on this machine's kernels as
+much as its acceptance does. Whatever the drafter, the choice is saved for this kind of machine (``x86_64-avx2``,
+``x86_64-avx512``, ``cuda``...; ``decoding.by_machine``) and, unless ``--keep-default``, as the default that machines
+of other kinds use. Either can be calibrated as it
 will be used: merged with other drafters into one tree (``--merged-with lookup``) or as a fallback asked only where
 others propose nothing (``--fallback-of lookup``, for ``--draft 'lookup|eagle'``). A feature drafter's grid may
 include ``draft_weights=float16,q4_1``: the format its own layers read is then chosen per machine too. Calibrate on
@@ -33,6 +34,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from decoding import by_machine
 from medusa.config import MedusaConfig
 from selfspec.bench.calibration import (
     DEFAULT_SIZES,
@@ -69,26 +71,29 @@ EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
 EAGLE_GRID = "depth=2,3,4,5 nodes=4,6,8 top_k=2,4"
 
 
-def _load_exit_classifier(heads: str, model) -> None:
+def _load_exit_classifier(heads: str, model) -> tuple[dict, str]:
     from early_exit.classifier import ExitClassifier
 
-    ExitClassifier.from_pretrained(heads, model)
+    machine = machine_class(model.device)
+    saved, where = ExitClassifier.from_pretrained(heads, model).config.policy_for(machine)
+    return saved, by_machine.source_label(where, machine)
 
 
-def _load_eagle(heads: str, model) -> None:
+def _load_eagle(heads: str, model) -> tuple[dict, str]:
+    from eagle.drafter import saved_policy
     from eagle.model import from_pretrained
 
-    from_pretrained(heads, model)
+    return saved_policy(from_pretrained(heads, model).config, model.device)
 
 
 class PolicySearch(NamedTuple):
     """How ``calibrate`` searches one drafter kind's policies by decoding: the default grid, what the drafter is
-    called in messages, a loader that refuses heads made for another model (before any decoding), and the saver of
-    the chosen policy."""
+    called in messages, a loader that refuses heads made for another model (before any decoding) and returns the
+    policy they would draft with here and where it comes from, and the saver of the chosen policy."""
 
     grid: str
     what: str
-    load: Callable[[str, Any], None]
+    load: Callable[[str, Any], tuple[dict, str]]
     save: Callable[..., Path]
 
 
@@ -137,10 +142,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-measure", action="store_true", help="accuracy mode: skip the greedy run that measures tau")
     p.add_argument("--dry-run", action="store_true", help="print the choice, write nothing")
     p.add_argument("--keep-default", action="store_true",
-                   help="feature drafters: save the chosen policy for this kind of machine only (its "
-                        "decoding_by_machine entry: x86_64-avx2, x86_64-avx512, x86_64-avx512-amx, ...), keeping "
-                        "the default that other machines use; for a drafter shared between machines. Without it "
-                        "the choice becomes the default too")
+                   help="save the chosen policy for this kind of machine only (its per-machine entry: "
+                        "x86_64-avx2, x86_64-avx512, x86_64-avx512-amx, cuda, ...), keeping the default that other "
+                        "machines use; for heads shared between machines. Without it the choice becomes the "
+                        "default too")
     p.add_argument("--grid", default=None,
                    help="early-exit classifiers and feature drafters: draft policies to decode, NAME=V1,V2 items "
                         f"(default {EXIT_GRID!r} for an exit classifier, {EAGLE_GRID!r} for a feature drafter)")
@@ -158,10 +163,6 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     kind = heads_kind(args.heads)
-    if args.keep_default and kind != "eagle":
-        raise ValueError(f"--keep-default: policies per kind of machine are saved for feature drafters (eagle) only; "
-                         f"{args.heads} holds {kind or 'Medusa'} heads, whose calibration replaces their one "
-                         "default. Drop --keep-default")
     if kind in DECODE_SEARCH:
         grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
         check_fallback_of(kind, args.fallback_of)
@@ -199,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
         report = report_dict(best, candidates, mode="accuracy", measured_tau=measured, model=args.model,
                              prefix_length=args.prefix_length, repeats=args.repeats, overhead_ms=args.overhead_ms,
                              fit_linear=args.fit_linear, linear_backend=backend,
-                             prompts=args.prompts or "builtin", limit=args.limit, max_new_tokens=args.max_new_tokens)
-        path = save_tree(model, args.heads, best, report)
+                             prompts=args.prompts or "builtin", limit=args.limit, max_new_tokens=args.max_new_tokens,
+                             cpu=cpu_model(), machine_class=machine_class(model.device))
+        path = save_tree(model, args.heads, best, report, keep_default=args.keep_default)
         print(f"saved the {best.size}-node tree into {path} (details in calibration.json)")
     return 0
 
@@ -227,8 +229,9 @@ def _run_replay(args, config, model, tokenizer, backend: str) -> int:
                                   "draft_s": r.draft_s, "predicted_tokens_per_s": r.tokens_per_s} for r in rows],
                   "model": args.model, "linear_backend": backend, "threads": torch.get_num_threads(),
                   "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
-                  "max_new_tokens": args.max_new_tokens, "overhead_ms": args.overhead_ms, "repeats": args.repeats}
-        path = save_setting(model, args.heads, best.setting, report)
+                  "max_new_tokens": args.max_new_tokens, "overhead_ms": args.overhead_ms, "repeats": args.repeats,
+                  "cpu": cpu_model(), "machine_class": machine_class(model.device)}
+        path = save_setting(model, args.heads, best.setting, report, keep_default=args.keep_default)
         print(f"saved '{best.setting.label}' into {path} (details in calibration.json)")
     return 0
 
@@ -249,7 +252,7 @@ def heads_kind(heads: str) -> str | None:
 def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     search = DECODE_SEARCH[kind]
     model, tokenizer = load_model(args.model)
-    search.load(args.heads, model)  # refuses heads trained for another model before any decoding
+    saved, source = search.load(args.heads, model)  # refuses heads trained for another model before any decoding
     backend = apply_backend(model, args)
     prompts = _calibration_prompts(args, model, tokenizer)
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
@@ -257,13 +260,8 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                     f", merged with {args.merged_with}" * bool(args.merged_with)])
     print(f"calibration: {len(grid)} {search.what} policies{used} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
-    if kind == "eagle":
-        from eagle.drafter import saved_policy
-        from eagle.model import EagleConfig
-
-        saved, source = saved_policy(EagleConfig.load(Path(args.heads) / "config.json"), model.device)
-        print(f"each policy applies over the drafter's saved one, {json.dumps(saved)} ({source}), whose fields the "
-              "grid does not set", flush=True)
+    print(f"each policy applies over the {search.what}'s saved one, {json.dumps(saved)} ({source}), whose fields "
+          "the grid does not set", flush=True)
     print("policy | tau | speedup | draft ms/step | speed over the chosen policy's (95% interval)")
 
     def show(r) -> None:
@@ -289,7 +287,6 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                   "cpu": cpu_model(), "machine_class": machine_class(model.device),
                   "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
-        extra = {"keep_default": args.keep_default} if kind == "eagle" else {}
-        path = search.save(model, args.heads, best.options, report, **extra)
+        path = search.save(model, args.heads, best.options, report, keep_default=args.keep_default)
         print(f"saved policy {best.label} into {path} (details in calibration.json)")
     return 0

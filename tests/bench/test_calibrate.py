@@ -68,7 +68,7 @@ def test_calibrate_command_writes_the_tree(tmp_path, capsys):
     assert len(config.tree) == report["chosen_size"] in (1, 4, 8)
     assert config.tree == cal.candidate_trees(ACCURACY, [report["chosen_size"]])[report["chosen_size"]]
     assert report["measured_tau"] >= 1.0 and [c["size"] for c in report["candidates"]] == [0, 1, 4, 8]
-    assert f"Default draft tree: {len(config.tree)} nodes" in (tmp_path / "README.md").read_text()
+    assert f"Default drafting: a static tree of {len(config.tree)} nodes" in (tmp_path / "README.md").read_text()
     out = capsys.readouterr().out
     assert "<- chosen" in out and "measured" in out
     # The saved heads still load, and the drafter now uses the calibrated tree by default.
@@ -320,7 +320,7 @@ def test_calibrate_can_keep_a_shared_drafters_default_and_save_for_this_machine_
     assert main([*argv, "--grid", "depth=1,3 nodes=3"]) == 0
     out = capsys.readouterr().out
     # the grid's policies inherit what it does not set from the saved policy, and the run says so
-    assert f"over the drafter's saved one, {json.dumps(default)} (default)" in out
+    assert f"over the feature drafter's saved one, {json.dumps(default)} (default)" in out
     config = json.loads((heads / "config.json").read_text())
     assert config["decoding"] == default  # what other machines use is untouched
     machine = machine_class()
@@ -346,14 +346,95 @@ def test_calibrate_can_keep_a_shared_drafters_default_and_save_for_this_machine_
         **entry, "threshold": 0.25, "min_prob": 0.01, **chosen}
 
 
-def test_keep_default_is_for_feature_drafters_only(tmp_path, capsys):
-    heads = tmp_path / "medusa"
-    heads.mkdir()
-    (heads / "config.json").write_text(json.dumps({"kind": "medusa"}))
-    assert main(["calibrate", "--heads", str(heads), "--keep-default"]) != 0
-    err = capsys.readouterr().err
-    assert "--keep-default: policies per kind of machine are saved for feature drafters (eagle) only" in err
-    assert "Drop --keep-default" in err
+def test_medusa_heads_keep_a_tree_per_kind_of_machine(tmp_path, capsys):
+    from decoding import make_drafter
+
+    model, _ = load_model("tiny:llama")
+    default = [[0], [1]]
+    heads = MedusaHeads.for_model(model, num_heads=3, head_accuracy=ACCURACY, tree=default)
+    heads.save_pretrained(tmp_path)
+    argv = ["calibrate", "--mode", "accuracy", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama",
+            "--sizes", "1,4,8", "--repeats", "1", "--prefix-length", "16", "--limit", "1", "--max-new-tokens", "8",
+            "--overhead-ms", "50", "--no-measure"]
+    assert main([*argv, "--keep-default"]) == 0
+    machine = machine_class()
+    config = MedusaConfig.load(tmp_path)
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    chosen = cal.candidate_trees(ACCURACY, [report["chosen_size"]])[report["chosen_size"]]
+    assert config.tree == default  # what other machines use is untouched
+    entry = config.drafting_by_machine[machine]
+    assert entry["policy"] == {"tree": chosen, "dynamic_tree": None} and entry["calibrated_on"] == report["cpu"]
+    assert config.drafting_for(machine) == (entry["policy"], f"drafting_by_machine[{machine!r}]")
+    assert config.drafting_for("another-class") == ({"tree": default, "dynamic_tree": None}, "tree/dynamic_tree")
+    drafter = make_drafter("medusa", model, str(tmp_path))
+    assert drafter.template.choices == chosen and drafter.policy_source == f"calibrated for {machine}"
+    given = make_drafter("medusa", model, str(tmp_path), tree=json.dumps(default))  # options still win
+    assert given.template.choices == default and given.policy_source == f"calibrated for {machine} + options"
+    card = (tmp_path / "README.md").read_text().split("## Drafting calibrated per kind of machine")[1]
+    assert machine in card and f"a static tree of {len(chosen)} nodes" in card
+    # without --keep-default the choice becomes the default too
+    assert main(argv) == 0
+    config = MedusaConfig.load(tmp_path)
+    assert config.tree == config.drafting_by_machine[machine]["policy"]["tree"]
+
+
+def test_a_dynamic_medusa_entry_replaces_the_default_on_its_machine_only(tmp_path):
+    model, _ = load_model("tiny:llama")
+    machine = machine_class()
+    heads = MedusaHeads.for_model(model, num_heads=3, head_accuracy=ACCURACY, tree=[[0], [1], [0, 0]])
+    heads.save_pretrained(tmp_path)
+    setting = cal.Setting(choices=None, dynamic={"size": 2, "width": 1, "top_k": 2})
+    cal.save_setting(model, tmp_path, setting, {"cpu": "test CPU"}, keep_default=True)
+    config = MedusaConfig.load(tmp_path)
+    assert config.dynamic_tree is None and config.drafting_by_machine[machine]["policy"] == {
+        "tree": [[0], [1], [0, 0]], "dynamic_tree": {"size": 2, "width": 1, "top_k": 2}}
+    from medusa import load
+
+    drafter = load(model, tmp_path)
+    assert drafter.selector is not None and drafter.policy_source == f"calibrated for {machine}"
+    assert load(model, tmp_path, tree=2).selector is None  # an explicit tree drafts statically
+
+
+def test_bad_per_machine_entries_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\] names unknown field\(s\) \['nodes'\]"):
+        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"nodes": 4}}})
+    with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\]: MedusaConfig.tree path"):
+        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"tree": [[0, 0, 0]]}}})
+    with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\] must be an object with a 'policy'"):
+        MedusaConfig(num_heads=2, drafting_by_machine={"x": [[0]]})
+    from early_exit.classifier import ExitClassifierConfig
+
+    with pytest.raises(ValueError, match=r"policy_by_machine\['y'\] must be an object with a 'policy'"):
+        ExitClassifierConfig(exit_layer=1, policy_by_machine={"y": {"max_depth": 2}})
+
+
+def test_exit_classifiers_keep_a_policy_per_kind_of_machine(tmp_path, capsys):
+    from decoding import make_drafter
+
+    model, _ = load_model("tiny:llama")
+    heads, _ = _exit_classifier(tmp_path, model)
+    config = json.loads((heads / "config.json").read_text())
+    default = config["policy"]
+    argv = ["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+            "--max-new-tokens", "8", "--linear-backend", "stock"]
+    assert main([*argv, "--grid", "max_depth=1,3", "--keep-default"]) == 0
+    assert f"over the early-exit classifier's saved one, {json.dumps(default)} (default)" in capsys.readouterr().out
+    machine = machine_class()
+    config = json.loads((heads / "config.json").read_text())
+    chosen = json.loads((heads / "calibration.json").read_text())["chosen"]
+    assert config["policy"] == default and config["policy_by_machine"][machine]["policy"] == {**default, **chosen}
+    drafter = make_drafter("early-exit", model, str(heads))
+    assert drafter.policy.max_depth == chosen["max_depth"] and drafter.policy_source == f"calibrated for {machine}"
+    assert make_drafter("early-exit", model, str(heads), max_depth=2).policy_source.endswith(" + options")
+    assert machine in (heads / "README.md").read_text().split("## Drafting calibrated per kind of machine")[1]
+    # a saved entry that is not a policy fails where it is used, naming the entry and the fix
+    from early_exit import ExitClassifier
+
+    classifier = ExitClassifier.from_pretrained(heads, model)
+    classifier.config.policy_by_machine[machine]["policy"] = {"max_depth": 0}
+    classifier.save_pretrained(heads, model)
+    with pytest.raises(ValueError, match=rf"policy_by_machine\['{machine}'\] in .*config.json"):
+        make_drafter("early-exit", model, str(heads))
 
 
 def test_calibrating_a_float16_exit_classifier_keeps_it_float16(tmp_path):
