@@ -9,7 +9,8 @@ policy, whole (not merged over the default: a policy is measured as one), else w
 override either. ``selfspec calibrate`` writes the entries.
 
 Feature drafters keep them in ``decoding_by_machine``, early-exit classifiers in ``policy_by_machine``, Medusa heads
-in ``drafting_by_machine`` (whose policies are ``{"tree": [...]}`` or ``{"dynamic_tree": {...}}``).
+in ``drafting_by_machine`` (whose policies are ``{"tree": [...], "dynamic_tree": {...} or null}``). Layer-skip sets
+have none: the set itself is searched per model (``scripts/search_layer_skip.py``).
 """
 
 from __future__ import annotations

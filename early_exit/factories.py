@@ -75,9 +75,13 @@ def make_layer_skip_drafter(model, heads_dir: str | None = None, *, skip_layers:
         FileNotFoundError: ``heads_dir`` is not a layer-skip directory.
     """
     check_supported(model)
+    source = "given"
     if heads_dir is not None and skip_layers is None:
         config = LayerSkipConfig.load(heads_dir, model)
+        source = "default" + " + options" * bool(policy)  # a layer-skip set saves one policy
         skip_layers, policy = config.skip_layers, {**config.policy, **policy}
     if skip_layers is None:
         skip_layers = default_skip_layers(num_decoder_layers(model))
-    return LayerSkipDrafter(model, skip_layers, _policy(**policy))
+    drafter = LayerSkipDrafter(model, skip_layers, _policy(**policy))
+    drafter.policy_source = source
+    return drafter

@@ -164,6 +164,11 @@ class EarlyExitRecipe(T.Recipe):
                                  f"classifier.exit_layer is {c.exit_layer}: set classifier.exit_layer="
                                  f"{self.classifier.exit_layer}")
             draft_vocab = self.classifier.draft_vocab if self.classifier.draft_vocab.numel() else None
+            if self.classifier.config.policy_by_machine:  # chosen for the old weights: recalibrate the new ones
+                print(f"early-exit: init_from's policies calibrated per kind of machine "
+                      f"({', '.join(sorted(self.classifier.config.policy_by_machine))}) are dropped: they were chosen "
+                      "for its weights; `selfspec calibrate` the new classifier", flush=True)
+                self.classifier.config.policy_by_machine = {}
             if draft_vocab is None and cfg.loss_vocab == "draft":
                 raise ValueError(f"loss_vocab: draft, but the classifier in init_from {cfg.init_from} has no draft "
                                  "vocabulary: set loss_vocab=full (or auto)")

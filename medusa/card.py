@@ -74,7 +74,7 @@ def render_readme(config: MedusaConfig) -> str:
         lines += ["## Metrics", ""] + [f"- {key}: `{_compact(value)}`" for key, value in metrics.items()] + [""]
     if config.head_accuracy:
         lines += ["## Head accuracy (held-out)", ""] + _accuracy_table(config.head_accuracy) + [""]
-    if config.dynamic_tree or config.tree:
+    if config.dynamic_tree or config.tree is not None:
         lines += [f"Default drafting: {_drafting(config.tree, config.dynamic_tree)}.", ""]
     lines += by_machine.card_lines(config.drafting_by_machine,
                                    lambda policy: _drafting(policy.get("tree"), policy.get("dynamic_tree")))

@@ -132,23 +132,23 @@ class MedusaConfig:
 
         by_machine.check_entries(self.drafting_by_machine, "MedusaConfig.drafting_by_machine")
         for machine, entry in (self.drafting_by_machine or {}).items():
-            unknown = sorted(set(entry["policy"]) - set(DRAFTING_FIELDS))
-            if unknown:
-                raise ValueError(f"MedusaConfig.drafting_by_machine[{machine!r}] names unknown field(s) {unknown} "
-                                 f"(known: {list(DRAFTING_FIELDS)}); fix the entry or recalibrate with `selfspec "
-                                 "calibrate`")
+            policy = entry["policy"]
+            if set(policy) != set(DRAFTING_FIELDS):
+                raise ValueError(f"MedusaConfig.drafting_by_machine[{machine!r}] must set exactly "
+                                 f"{list(DRAFTING_FIELDS)} (a policy is used whole), got {sorted(policy)}; fix the "
+                                 "entry or recalibrate with `selfspec calibrate`")
             try:  # the entry's tree and dynamic tree must be valid for these heads, as the defaults must
-                replace(self, drafting_by_machine={}, **entry["policy"])
+                checked = replace(self, drafting_by_machine={}, **policy)
             except ValueError as e:
                 raise ValueError(f"MedusaConfig.drafting_by_machine[{machine!r}]: {e}") from None
+            policy["tree"] = checked.tree  # normalised as the default is
 
     def drafting_for(self, machine: str) -> tuple[dict[str, Any], str]:
         """``(drafting, where)``: ``{"tree", "dynamic_tree"}`` saved for machines of class ``machine``, else the
         defaults (``decoding.by_machine.policy_for``)."""
         default = {name: getattr(self, name) for name in DRAFTING_FIELDS}
-        drafting, where = by_machine.policy_for(default, self.drafting_by_machine, machine,
-                                                ("tree/dynamic_tree", "drafting_by_machine"))
-        return {**default, **drafting}, where
+        return by_machine.policy_for(default, self.drafting_by_machine, machine,
+                                     ("tree/dynamic_tree", "drafting_by_machine"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -163,7 +163,7 @@ class MedusaDrafter(ContextDrafter):
             self.selector = DynamicTreeSelector(self.template, int(dynamic))
         elif sequential:
             self.plan = SequentialPlan(self.template)
-        self._depth = self.template.max_depth
+        self._depth = self.beam.depth if self.beam is not None else self.template.max_depth
         self._ranks = self.template.max_rank
         # Prefix attention: its KV cache of verified positions, and its output at the last one (the start state).
         self.context_cache = LayerCache() if heads.prefix is not None else None
@@ -261,14 +261,15 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
     machine = machine_class(next(base_model.parameters()).device)
     saved, where = heads.config.drafting_for(machine)
     given = [v for v in (tree, dynamic, width, top_k, draft_weights) if v is not None]
-    if tree is None and dynamic is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting
-        tree = saved["tree"]
-        if saved["dynamic_tree"]:
+    source = "options" if tree is not None else by_machine.source_label(where, machine) + " + options" * bool(given)
+    if tree is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting: its tree (a dynamic
+        tree = saved["tree"]                            # tree's pool or depth), its dynamic tree unless one is given
+        if dynamic is None and saved["dynamic_tree"]:
             dynamic = saved["dynamic_tree"]["size"]
             width = saved["dynamic_tree"].get("width") if width is None else width
             top_k = saved["dynamic_tree"].get("top_k") if top_k is None else top_k
     drafter = MedusaDrafter(heads, tree=tree, dynamic=dynamic, width=width, top_k=top_k, draft_weights=draft_weights)
-    drafter.policy_source = by_machine.source_label(where, machine) + " + options" * bool(given)
+    drafter.policy_source = source
     return drafter
 
 

@@ -163,6 +163,9 @@ def _calibration_prompts(args, model, tokenizer) -> list[Prompt]:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     kind = heads_kind(args.heads)
+    if kind == "layer-skip":
+        raise ValueError(f"{args.heads} holds a layer-skip set, which `selfspec calibrate` does not tune: its layers and "
+                         "policy are searched together by scripts/search_layer_skip.py")
     if kind in DECODE_SEARCH:
         grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
         check_fallback_of(kind, args.fallback_of)

@@ -398,7 +398,7 @@ def cpu_signature() -> dict:
 
 
 def machine_class(device: torch.device | str | None = None) -> str:
-    """The coarse kind of machine a drafting policy is calibrated for (``eagle``'s ``decoding_by_machine``): what a
+    """The coarse kind of machine a drafting policy is calibrated for (``decoding.by_machine``): what a
     tree and a draft step cost depends first on the vector unit, so a CPU is classed by its widest vector extension
     (``x86_64-avx2``, ``x86_64-avx512``, and ``x86_64-avx512-amx`` where AMX tiles sit beside AVX-512; else the
     architecture, e.g. ``aarch64``) and any other device by its type (``cuda``). Coarse on purpose: a class must

@@ -369,7 +369,7 @@ def test_medusa_heads_keep_a_tree_per_kind_of_machine(tmp_path, capsys):
     drafter = make_drafter("medusa", model, str(tmp_path))
     assert drafter.template.choices == chosen and drafter.policy_source == f"calibrated for {machine}"
     given = make_drafter("medusa", model, str(tmp_path), tree=json.dumps(default))  # options still win
-    assert given.template.choices == default and given.policy_source == f"calibrated for {machine} + options"
+    assert given.template.choices == default and given.policy_source == "options"
     card = (tmp_path / "README.md").read_text().split("## Drafting calibrated per kind of machine")[1]
     assert machine in card and f"a static tree of {len(chosen)} nodes" in card
     # without --keep-default the choice becomes the default too
@@ -395,11 +395,43 @@ def test_a_dynamic_medusa_entry_replaces_the_default_on_its_machine_only(tmp_pat
     assert load(model, tmp_path, tree=2).selector is None  # an explicit tree drafts statically
 
 
+def test_a_dynamic_setting_is_measured_and_saved_over_this_machines_tree(tmp_path):
+    """Calibration replays a dynamic setting with the machine's saved tree as its pool (sequential heads: its depth)
+    and saves that tree with it; an entry whose static tree is empty ("no tree pays") still drafts dynamically."""
+    from decoding import generate, make_drafter
+    from medusa import load
+
+    model, _ = load_model("tiny:llama")
+    machine = machine_class()
+    heads = sequential_heads(model, num_heads=3)
+    heads.config.tree = [[0], [0, 0], [0, 0, 0]]
+    heads.save_pretrained(tmp_path)
+    cal.save_setting(model, tmp_path, cal.Setting(choices=[[0], [0, 0]]), {"cpu": "test CPU"}, keep_default=True)
+    replayed = make_drafter("medusa", model, str(tmp_path), dynamic=3, width=2, top_k=2)  # as the replay builds it
+    assert replayed.template.choices == [[0], [0, 0]] and replayed.beam.depth == 2
+    cal.save_setting(model, tmp_path, cal.Setting(dynamic={"size": 3, "width": 2, "top_k": 2}), {"cpu": "test CPU"},
+                     keep_default=True)
+    assert MedusaConfig.load(tmp_path).drafting_by_machine[machine]["policy"]["tree"] == [[0], [0, 0]]
+    assert load(model, tmp_path).beam.depth == 2  # what was measured is what is loaded
+    cal.save_setting(model, tmp_path, cal.Setting(choices=[]), {"cpu": "test CPU"}, keep_default=True)
+    assert load(model, tmp_path).template.choices == []  # no tree pays: plain decoding
+    cal.save_setting(model, tmp_path, cal.Setting(dynamic={"size": 3, "width": 2, "top_k": 2}), {"cpu": "test CPU"},
+                     keep_default=True)
+    drafter = load(model, tmp_path)
+    assert drafter.beam.depth == 3  # an empty pool: the beam runs every head
+    prompt = torch.tensor([[5, 9, 2, 7, 11]])
+    out = generate(model, drafter, prompt, max_new_tokens=12)
+    assert max(out.stats.tree_sizes) > 0  # it drafts, not plain decoding
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
 def test_bad_per_machine_entries_are_refused_naming_them():
-    with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\] names unknown field\(s\) \['nodes'\]"):
-        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"nodes": 4}}})
+    with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\] must set exactly \['tree', 'dynamic_tree'\]"):
+        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"tree": [[0]]}}})
     with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\]: MedusaConfig.tree path"):
-        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"tree": [[0, 0, 0]]}}})
+        MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"tree": [[0, 0, 0]], "dynamic_tree": None}}})
+    config = MedusaConfig(num_heads=2, drafting_by_machine={"x": {"policy": {"tree": [["1"]], "dynamic_tree": None}}})
+    assert config.drafting_for("x") == ({"tree": [[1]], "dynamic_tree": None}, "drafting_by_machine['x']")
     with pytest.raises(ValueError, match=r"drafting_by_machine\['x'\] must be an object with a 'policy'"):
         MedusaConfig(num_heads=2, drafting_by_machine={"x": [[0]]})
     from early_exit.classifier import ExitClassifierConfig

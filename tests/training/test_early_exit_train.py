@@ -138,9 +138,18 @@ def test_init_from_starts_where_a_saved_classifier_stopped(tmp_path):
     first = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
         tmp_path, "first", **{"optim.max_steps": 8, "classifier.draft_vocab_size": 40})])
     saved = tmp_path / "first" / "heads"
+    from early_exit import ExitClassifier
+    from selfspec.runtime.models import load_model
+
+    base = load_model("tiny:llama")[0]
+    calibrated = ExitClassifier.from_pretrained(saved, base)  # a policy chosen for these weights on some machine
+    calibrated.config.policy_by_machine = {"x86_64-avx2": {"policy": {"max_depth": 1}}}
+    calibrated.save_pretrained(saved, base)
     zero = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
         tmp_path, "zero", **{"optim.max_steps": 1, "optim.lr": 0.0, "init_from": str(saved)})])
     assert zero["top1_agreement"] == first["top1_agreement"]
+    config = json.loads((tmp_path / "zero" / "heads" / "config.json").read_text())
+    assert config["policy_by_machine"] == {}  # new weights: recalibrate them
     before, after = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "zero" / "heads"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     more = exit_recipe.main(["--config", str(TINY), *early_exit_overrides(
