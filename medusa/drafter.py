@@ -241,6 +241,10 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
          merge_adapter: bool = False, draft_weights: str | None = None) -> MedusaDrafter:
     """Load the heads in ``heads_dir`` onto ``base_model`` and wrap them in a drafter for ``decoding.generate``.
 
+    The drafting is this machine's saved one (``MedusaConfig.drafting_for``), else the heads' default; ``tree`` (a
+    size, choices or a template), ``dynamic`` (a dynamic tree's size; 0: a static tree even where a dynamic one is
+    saved), ``width`` and ``top_k`` override it.
+
     ``heads_dir`` may also hold heads published with FasterDecoding/Medusa (``medusa_lm_head.safetensors`` or
     ``.pt`` beside a config with ``medusa_num_heads``; ``medusa.export.import_fasterdecoding``); their LM heads are
     their own. Medusa-2 heads (trained with a LoRA backbone) need the adapted model: load it with
@@ -262,6 +266,10 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
     saved, where = heads.config.drafting_for(machine)
     given = [v for v in (tree, dynamic, width, top_k, draft_weights) if v is not None]
     source = "options" if tree is not None else by_machine.source_label(where, machine) + " + options" * bool(given)
+    if dynamic is not None and str(dynamic) == "0":  # a static tree: the saved one, never a saved dynamic tree
+        dynamic = None
+        if tree is None:
+            tree = saved["tree"] if saved["tree"] is not None else DEFAULT_TREE_SIZE
     if tree is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting: its tree (a dynamic
         tree = saved["tree"]                            # tree's pool or depth), its dynamic tree unless one is given
         if dynamic is None and saved["dynamic_tree"]:
@@ -274,8 +282,8 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
 
 
 def make_medusa_drafter(model: nn.Module, heads_dir: str | Path | None = None, **options) -> MedusaDrafter:
-    """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic``,
-    ``width``, ``top_k``, ``draft_weights``).
+    """Registry factory: ``selfspec generate --draft medusa --heads DIR`` (options: ``tree``, ``dynamic`` (0: a
+    static tree even where a dynamic one is saved), ``width``, ``top_k``, ``draft_weights``).
 
     Raises:
         ValueError: no heads directory, or an unknown option.

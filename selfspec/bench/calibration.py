@@ -210,7 +210,8 @@ class Setting:
 
     def options(self) -> dict[str, Any]:
         if self.dynamic is not None:
-            return {"dynamic": self.dynamic["size"], "width": self.dynamic.get("width", 4),
+            pool = {} if self.choices is None else {"tree": self.choices}
+            return {**pool, "dynamic": self.dynamic["size"], "width": self.dynamic.get("width", 4),
                     "top_k": self.dynamic.get("top_k", 4)}
         return {"tree": self.choices or []}
 
@@ -317,7 +318,8 @@ def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: di
     config = heads.config
     machine, where = _this_machine(model, report)
     if setting.dynamic is not None:  # parallel heads pick the dynamic tree's nodes from the static tree
-        drafting = {"tree": config.drafting_for(machine)[0]["tree"], "dynamic_tree": dict(setting.dynamic)}
+        pool = setting.choices if setting.choices is not None else config.drafting_for(machine)[0]["tree"]
+        drafting = {"tree": pool, "dynamic_tree": dict(setting.dynamic)}
     else:
         drafting = {"tree": setting.choices or [], "dynamic_tree": None}
     config.drafting_by_machine = by_machine.with_entry(config.drafting_by_machine, machine, drafting, where)
@@ -441,6 +443,28 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
         for row in rows:
             progress(row)
     return rows[best], rows
+
+
+def save_medusa_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,
+                       keep_default: bool = False) -> Path:
+    """``save_setting`` for a policy ``search_policies`` decoded: the Medusa drafter's options (``tree``: a size or
+    choices; ``dynamic``: a dynamic tree's size, 0 for a static tree; ``width``, ``top_k``) as the tree and dynamic
+    tree the drafter ran with (a missing ``tree`` is this machine's saved one, as the drafter took it)."""
+    from medusa.drafter import resolve_tree
+
+    heads = MedusaHeads.from_pretrained(Path(heads_dir), model)
+    machine, _ = _this_machine(model, report)
+    saved = heads.config.drafting_for(machine)[0]
+    choices = resolve_tree(options["tree"], heads).choices if options.get("tree") is not None else saved["tree"]
+    dynamic = options.get("dynamic")
+    if dynamic is None and "tree" not in options and saved["dynamic_tree"]:  # the saved dynamic tree, re-shaped
+        dynamic = saved["dynamic_tree"]["size"]
+        options = {"width": saved["dynamic_tree"].get("width", 4), "top_k": saved["dynamic_tree"].get("top_k", 4),
+                   **options}
+    setting = (Setting(choices=choices) if not dynamic else
+               Setting(choices=choices, dynamic={"size": int(dynamic), "width": int(options.get("width", 4)),
+                                                 "top_k": int(options.get("top_k", 4))}))
+    return save_setting(model, heads_dir, setting, report, keep_default=keep_default)
 
 
 def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,

@@ -9,7 +9,12 @@ Two ways to predict what a setting accepts:
 - ``--mode accuracy``: from the heads' held-out accuracies (Medusa's tree construction), assuming independence.
 
 Either way the verification cost of every tree size is measured on this machine, and the chosen setting has the
-most predicted tokens per second.
+most predicted tokens per second. A prediction can miss what decoding then runs at (on a 2-core Zen 5 the replay
+chose a dynamic tree that decoded 10% slower than the saved static one): the third way measures instead,
+
+- ``--mode decode``: decode the prompts with every setting of ``--grid`` (``tree=3``: a static tree of 3 nodes grown
+  from the heads' accuracies; ``dynamic=4``: a dynamic tree of 4 nodes, ``0`` static; ``width``, ``top_k``) beside
+  plain decoding in the same run, as early-exit classifiers and feature drafters are calibrated (below).
 
 An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo exit) drafts with the base model's own
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
@@ -47,6 +52,7 @@ from selfspec.bench.calibration import (
     report_dict,
     save_eagle_policy,
     save_exit_policy,
+    save_medusa_policy,
     save_setting,
     save_tree,
     search_policies,
@@ -69,6 +75,10 @@ EXIT_GRID = "max_depth=2,3,4,6 threshold=0,0.2,0.4"
 #: choices recorded in docs/RESULTS.md span depth 2 (2-core Xeon, one-call stack and exact grids: 4 nodes, top-4) to
 #: depth 5 (AVX2 EPYC: 4 nodes, top-2); depth 6 never beat 4 or 5 at the same node budget.
 EAGLE_GRID = "depth=2,3,4,5 nodes=4,6,8 top_k=2,4"
+#: Medusa drafting decoded by default (``--mode decode``): static trees grown from the heads' accuracies, of these
+#: sizes; sequential heads also dynamic trees of these sizes over each (0: static), 2 paths expanded per depth
+MEDUSA_GRID = "tree=1,2,3,4,6"
+MEDUSA_SEQUENTIAL_GRID = "tree=2,3,4,6 dynamic=0,4,6 width=2 top_k=4"
 
 
 def _load_exit_classifier(heads: str, model) -> tuple[dict, str]:
@@ -97,10 +107,19 @@ class PolicySearch(NamedTuple):
     save: Callable[..., Path]
 
 
-#: the drafter kinds whose policy is chosen by decoding beside plain decoding
+def _load_medusa(heads: str, model) -> tuple[dict, str]:
+    from medusa import MedusaHeads
+
+    machine = machine_class(model.device)
+    saved, where = MedusaHeads.from_pretrained(heads, model).config.drafting_for(machine)
+    return saved, by_machine.source_label(where, machine)
+
+
+#: the drafter kinds whose policy is chosen by decoding beside plain decoding (Medusa heads with ``--mode decode``)
 DECODE_SEARCH = {
     "early-exit": PolicySearch(EXIT_GRID, "early-exit classifier", _load_exit_classifier, save_exit_policy),
     "eagle": PolicySearch(EAGLE_GRID, "feature drafter", _load_eagle, save_eagle_policy),
+    "medusa": PolicySearch(MEDUSA_GRID, "Medusa drafter", _load_medusa, save_medusa_policy),
 }
 
 
@@ -114,8 +133,10 @@ def register(subparsers) -> None:
     p.add_argument("--heads", required=True, help="Medusa heads or early-exit classifier directory")
     add_common_arguments(p)
     p.set_defaults(limit=None)
-    p.add_argument("--mode", choices=("replay", "accuracy"), default="replay",
-                   help="how to predict tau: replay on real continuations (default) or from head accuracies")
+    p.add_argument("--mode", choices=("replay", "accuracy", "decode"), default="replay",
+                   help="Medusa heads: predict each setting's speed by replay on real continuations (default) or "
+                        "from head accuracies, or measure it: decode the prompts with every setting of --grid "
+                        "beside plain decoding (slower, and what a benchmark sees)")
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="static tree sizes (draft nodes)")
     p.add_argument("--dynamic-sizes", default="4,6,8,10,12,16,20",
                    help="replay, sequential heads: dynamic tree sizes to try ('' for none)")
@@ -147,8 +168,10 @@ def register(subparsers) -> None:
                         "machines use; for heads shared between machines. Without it the choice becomes the "
                         "default too")
     p.add_argument("--grid", default=None,
-                   help="early-exit classifiers and feature drafters: draft policies to decode, NAME=V1,V2 items "
-                        f"(default {EXIT_GRID!r} for an exit classifier, {EAGLE_GRID!r} for a feature drafter)")
+                   help="early-exit classifiers, feature drafters and Medusa heads with --mode decode: draft "
+                        f"policies to decode, NAME=V1,V2 items (default {EXIT_GRID!r} for an exit classifier, "
+                        f"{EAGLE_GRID!r} for a feature drafter, {MEDUSA_GRID!r} for Medusa heads, "
+                        f"{MEDUSA_SEQUENTIAL_GRID!r} for sequential ones)")
     p.set_defaults(func=run)
 
 
@@ -170,9 +193,17 @@ def run(args: argparse.Namespace) -> int:
         grid = parse_grid(args.grid or DECODE_SEARCH[kind].grid)  # a malformed grid fails before the model loads
         check_fallback_of(kind, args.fallback_of)
         return _run_policy_search(args, grid, kind)
+    if args.mode == "decode":
+        config = MedusaConfig.load(args.heads)
+        grid = parse_grid(args.grid or (MEDUSA_SEQUENTIAL_GRID if config.sequential else MEDUSA_GRID))
+        if any("draft_weights" in options for options in grid):
+            raise ValueError("--grid: draft_weights is not saved with Medusa heads (pass it as an option where they "
+                             "are used, e.g. medusa:DIR[draft_weights=q4_1]); drop it from the grid")
+        check_fallback_of("medusa", args.fallback_of)
+        return _run_policy_search(args, grid, "medusa")
     if args.fallback_of:
-        raise ValueError("--fallback-of calibrates feature drafters and early-exit classifiers, which are searched by "
-                         "decoding; Medusa heads are calibrated by replay, merged with --merged-with only")
+        raise ValueError("--fallback-of calibrates drafters searched by decoding (feature drafters, early-exit "
+                         "classifiers, Medusa heads with --mode decode); replay merges with --merged-with only")
     config = MedusaConfig.load(args.heads)
     model, tokenizer = load_model(args.model)
     if config.base_model:  # before any continuation is generated: heads for another model are refused at once

@@ -152,6 +152,51 @@ def test_replay_calibration_uses_the_replayed_tau_and_the_measured_costs(monkeyp
     assert rows[0].tau == 1.0 and rows[0].tree_size == 0
 
 
+def test_medusa_heads_can_be_calibrated_by_decoding(tmp_path, capsys):
+    """--mode decode measures every setting beside plain decoding and saves what the chosen one ran with: a static
+    tree grown to its size, or a dynamic tree over the tree it was given."""
+    from decoding import make_drafter
+
+    model = _sequential_heads(tmp_path)
+    machine = machine_class()
+    before = MedusaConfig.load(tmp_path)
+    argv = ["calibrate", "--mode", "decode", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama",
+            "--limit", "2", "--max-new-tokens", "8", "--linear-backend", "stock", "--keep-default"]
+    assert main([*argv, "--grid", "tree=2,4 dynamic=0,3 width=2 top_k=2"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration: 4 Medusa drafter policies beside plain decoding" in out and "chosen: " in out
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert report["mode"] == "decode" and [c["policy"] for c in report["candidates"]] == [
+        {"tree": t, "dynamic": d, "width": 2, "top_k": 2} for t in (2, 4) for d in (0, 3)]
+    chosen = report["chosen"]
+    assert chosen == max(report["candidates"], key=lambda c: c["tokens_per_s"])["policy"]
+    config = MedusaConfig.load(tmp_path)
+    grown = cal.candidate_trees(ACCURACY, [chosen["tree"]])[chosen["tree"]]
+    dynamic = {"size": 3, "width": 2, "top_k": 2} if chosen["dynamic"] else None
+    assert config.drafting_by_machine[machine]["policy"] == {"tree": grown, "dynamic_tree": dynamic}
+    assert (config.tree, config.dynamic_tree) == (before.tree, before.dynamic_tree)  # --keep-default
+    loaded = make_drafter("medusa", model, str(tmp_path))
+    ran = make_drafter("medusa", model, str(tmp_path), **chosen)  # what the calibration decoded
+    assert loaded.template.choices == ran.template.choices == grown
+    assert (loaded.beam is None) == (ran.beam is None) == (dynamic is None)
+    # a grid format Medusa heads cannot save is refused before anything runs
+    assert main([*argv, "--grid", "tree=2 draft_weights=q4_1"]) == 2
+    assert "draft_weights is not saved with Medusa heads" in capsys.readouterr().err
+
+
+def test_dynamic_zero_drafts_the_saved_static_tree(tmp_path):
+    from decoding import make_drafter
+
+    model = _sequential_heads(tmp_path)
+    heads = MedusaHeads.from_pretrained(tmp_path, model)
+    heads.config.tree, heads.config.dynamic_tree = [[0], [0, 0]], {"size": 3, "width": 2, "top_k": 2}
+    heads.save_pretrained(tmp_path)
+    assert make_drafter("medusa", model, str(tmp_path)).beam is not None  # the saved default: dynamic
+    static = make_drafter("medusa", model, str(tmp_path), dynamic="0")
+    assert static.beam is None and static.template.choices == [[0], [0, 0]]
+    assert make_drafter("medusa", model, str(tmp_path), dynamic=0, tree=1).template.choices == [[0]]
+
+
 def test_replay_calibration_of_heads_merged_with_other_drafters(monkeypatch, tmp_path):
     from decoding import make_drafter
     from lookup.datastore import Datastore
@@ -525,4 +570,4 @@ def test_calibrating_a_feature_drafter_as_a_fallback_decodes_each_policy_where_l
     medusa = tmp_path / "medusa"
     MedusaHeads.for_model(model, num_heads=2).save_pretrained(medusa)
     assert main(["calibrate", "--heads", str(medusa), "--model", "tiny:llama", "--fallback-of", "lookup"]) != 0
-    assert "Medusa heads are calibrated by replay" in capsys.readouterr().err
+    assert "Medusa heads with --mode decode); replay merges with --merged-with only" in capsys.readouterr().err
