@@ -350,7 +350,7 @@ class PolicyResult:
 
     @property
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.options.items())
+        return " ".join(f"{k}={v}" for k, v in self.options.items()) or "(saved policy)"
 
 
 #: grid axes whose values are names, not numbers, and the names each takes
@@ -402,7 +402,7 @@ def check_fallback_of(drafter_name: str, fallback_of: str | None) -> None:
 
 def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: Sequence[dict[str, Any]],
                     prompts: Sequence[Prompt], settings: GenSettings, *, merged_with: str | None = None,
-                    fallback_of: str | None = None,
+                    fallback_of: str | None = None, keep_saved: bool = False,
                     progress: Callable[[PolicyResult], None] | None = None) -> tuple[PolicyResult, list[PolicyResult]]:
     """Decode ``prompts`` with ``drafter_name`` under every policy of ``grid`` and with plain decoding, per prompt
     in a rotated order (so that a drifting machine slows all alike), after one warm-up each; the best policy has the
@@ -412,6 +412,10 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
     ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``).
     ``fallback_of``: the drafter drafts only in the steps where these propose nothing (``lookup``, or
     ``lookup|datastore:DIR``: the spec ``FALLBACK_OF|DRAFTER:HEADS``), as ``selfspec generate --draft`` would use it.
+    ``keep_saved``: decode the drafter's saved policy too (the first row, options ``{}``), and keep it unless the
+    fastest policy is faster beyond this run's 95% interval (``choose_policy``): a policy the run cannot tell
+    apart from the saved one is as likely to be slower where it is used (on held-out prompts, on the Zen 5 of
+    docs/RESULTS.md, two such choices ran 6% and 9% slower than the saved tree).
 
     Raises:
         ValueError: ``fallback_of`` holds a ``+`` (a fallback binds tighter: merge with ``merged_with``) or names
@@ -422,6 +426,7 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
         f"+{merged_with}" if merged_with else "")
     # with a fallback the calibrated drafter is not the spec's first part: its options are routed by name
     prefix = f"{drafter_name}." if fallback_of else ""
+    grid = [{}, *grid] if keep_saved else list(grid)
     methods = [parse_method(spec, **{prefix + k: v for k, v in options.items()}) for options in grid]
     for i, method in enumerate(methods):
         method.name = f"policy-{i}"
@@ -435,7 +440,7 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
         row = PolicyResult(dict(options), mean_tau(gens) or 1.0, speed / plain_speed, speed,
                            1e3 * sum(g.phases.get("draft", 0.0) for g in gens) / max(steps, 1))
         rows.append(row)
-    best = max(range(len(rows)), key=lambda i: rows[i].tokens_per_s)
+    best = choose_policy([run.generations[f"policy-{i}"] for i in range(len(rows))], keep_saved)
     chosen = run.generations[f"policy-{best}"]
     rows = [replace(row, vs_chosen=speedup_interval(run.generations[f"policy-{i}"], chosen))
             for i, row in enumerate(rows)]
@@ -443,6 +448,18 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
         for row in rows:
             progress(row)
     return rows[best], rows
+
+
+def choose_policy(generations: Sequence[Sequence[Any]], keep_saved: bool = False) -> int:
+    """The index of the policy to save among ``generations`` (per policy, its per-prompt results, decoded side by
+    side): the fastest in summed tokens/s; with ``keep_saved``, policy 0 (the saved one) unless the fastest is
+    faster than it beyond a 95% paired-bootstrap interval (``speedup_interval``; with fewer than two prompts, no
+    interval: the fastest)."""
+    fastest = max(range(len(generations)), key=lambda i: tokens_per_s(generations[i]))
+    if not keep_saved or fastest == 0:
+        return fastest
+    over_saved = speedup_interval(generations[fastest], generations[0])
+    return 0 if over_saved is not None and over_saved[0] <= 1.0 else fastest
 
 
 def save_medusa_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,

@@ -19,7 +19,9 @@ chose a dynamic tree that decoded 10% slower than the saved static one): the thi
 An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo exit) drafts with the base model's own
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
-saved as the classifier's policy. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
+saved as the classifier's policy. The policy saved before is decoded too, and stays unless a policy of the grid is
+faster beyond the run's 95% interval (``--prefer-fastest``: the fastest anyway): eight prompts rarely tell close
+policies apart, and a choice within the noise ran slower held out as often as not. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
 depth, node budget, children per node and width): its draft cost depends on the tree and on this machine's kernels as
 much as its acceptance does. Whatever the drafter, the choice is saved for this kind of machine (``x86_64-avx2``,
 ``x86_64-avx512``, ``cuda``...; ``decoding.by_machine``) and, unless ``--keep-default``, as the default that machines
@@ -167,6 +169,10 @@ def register(subparsers) -> None:
                         "x86_64-avx2, x86_64-avx512, x86_64-avx512-amx, cuda, ...), keeping the default that other "
                         "machines use; for heads shared between machines. Without it the choice becomes the "
                         "default too")
+    p.add_argument("--prefer-fastest", action="store_true",
+                   help="decoded policies: save the fastest of the grid even where this run cannot tell it apart "
+                        "from the saved policy (by default the saved policy is decoded too and stays unless a policy "
+                        "is faster beyond the run's 95%% interval)")
     p.add_argument("--grid", default=None,
                    help="early-exit classifiers, feature drafters and Medusa heads with --mode decode: draft "
                         f"policies to decode, NAME=V1,V2 items (default {EXIT_GRID!r} for an exit classifier, "
@@ -292,7 +298,8 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     settings = GenSettings(args.max_new_tokens, eos_of(model, tokenizer))
     used = "".join([f", as the fallback of {args.fallback_of}" * bool(args.fallback_of),
                     f", merged with {args.merged_with}" * bool(args.merged_with)])
-    print(f"calibration: {len(grid)} {search.what} policies{used} beside plain decoding, {len(prompts)} prompts"
+    print(f"calibration: {len(grid)} {search.what} policies{used}"
+          f"{'' if args.prefer_fastest else ' and the saved one'} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
     print(f"each policy applies over the {search.what}'s saved one, {json.dumps(saved)} ({source}), whose fields "
           "the grid does not set", flush=True)
@@ -303,8 +310,11 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
         print(f"{r.label:28s} | {r.tau:5.2f} | {r.speedup:5.2f}x | {r.draft_ms_per_step:6.2f} | {versus}", flush=True)
 
     best, rows = search_policies(model, kind, args.heads, grid, prompts, settings, merged_with=args.merged_with,
-                                 fallback_of=args.fallback_of, progress=show)
+                                 fallback_of=args.fallback_of, keep_saved=not args.prefer_fastest, progress=show)
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
+    if not best.options and len(rows) > 1:
+        print("the saved policy stays: no policy of the grid was faster than it beyond this run's 95% interval "
+              "(--prefer-fastest takes the fastest anyway)", flush=True)
     ties = [r for r in rows if r is not best and r.vs_chosen is not None and r.vs_chosen[1] >= 1.0]
     if ties:
         print(f"{len(ties)} other {'policy is' if len(ties) == 1 else 'policies are'} not told apart from it by this "

@@ -160,7 +160,8 @@ def test_medusa_heads_can_be_calibrated_by_decoding(tmp_path, capsys):
     model = _sequential_heads(tmp_path)
     machine = machine_class()
     before = MedusaConfig.load(tmp_path)
-    argv = ["calibrate", "--mode", "decode", "--threads", "1", "--heads", str(tmp_path), "--model", "tiny:llama",
+    argv = ["calibrate", "--prefer-fastest", "--mode", "decode", "--threads", "1", "--heads", str(tmp_path),
+            "--model", "tiny:llama",
             "--limit", "2", "--max-new-tokens", "8", "--linear-backend", "stock", "--keep-default"]
     assert main([*argv, "--grid", "tree=2,4 dynamic=0,3 width=2 top_k=2"]) == 0
     out = capsys.readouterr().out
@@ -182,6 +183,41 @@ def test_medusa_heads_can_be_calibrated_by_decoding(tmp_path, capsys):
     # a grid format Medusa heads cannot save is refused before anything runs
     assert main([*argv, "--grid", "tree=2 draft_weights=q4_1"]) == 2
     assert "draft_weights is not saved with Medusa heads" in capsys.readouterr().err
+
+
+def test_the_saved_policy_stays_unless_a_policy_is_faster_beyond_the_runs_interval():
+    from types import SimpleNamespace
+
+    def policy(seconds):  # per-prompt results: 100 tokens in these many seconds
+        return [SimpleNamespace(tokens=[0] * 100, seconds=s) for s in seconds]
+
+    saved = policy([1.0, 2.0, 1.5, 1.2])
+    noisy = policy([0.9, 2.1, 1.3, 1.3])  # faster in total, slower on two prompts: not told apart
+    clear = policy([0.8, 1.6, 1.2, 1.0])  # faster on every prompt
+    assert cal.choose_policy([saved, noisy]) == 1  # the fastest, by default
+    assert cal.choose_policy([saved, noisy], keep_saved=True) == 0
+    assert cal.choose_policy([saved, noisy, clear], keep_saved=True) == 2
+    assert cal.choose_policy([clear, noisy], keep_saved=True) == 0  # the saved one is the fastest
+    assert cal.choose_policy([saved[:1], noisy[:1]], keep_saved=True) == 1  # one prompt: no interval, the fastest
+
+
+def test_calibration_decodes_the_saved_policy_beside_the_grid(tmp_path, capsys):
+    model, _ = load_model("tiny:llama")
+    heads, _ = _exit_classifier(tmp_path, model)
+    assert main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "3",
+                 "--max-new-tokens", "8", "--grid", "max_depth=1,3", "--linear-backend", "stock"]) == 0
+    out = capsys.readouterr().out
+    assert "2 early-exit classifier policies and the saved one beside plain decoding" in out
+    assert "(saved policy)" in out
+    report = json.loads((heads / "calibration.json").read_text())
+    assert [c["policy"] for c in report["candidates"]] == [{}, {"max_depth": 1}, {"max_depth": 3}]
+    speeds = [c["tokens_per_s"] for c in report["candidates"]]
+    fastest = report["candidates"][speeds.index(max(speeds))]
+    if report["chosen"] != fastest["policy"]:  # the saved one stayed: the fastest did not beat it clearly
+        assert report["chosen"] == {} and "the saved policy stays" in out
+        assert report["candidates"][0]["vs_chosen_95"] is None or fastest["vs_chosen_95"][0] <= 1.0
+    config = json.loads((heads / "config.json").read_text())
+    assert config["policy"] == {"max_depth": 5, **report["chosen"]}  # either way, what ran is what is saved
 
 
 def test_dynamic_zero_drafts_the_saved_static_tree(tmp_path):
@@ -272,7 +308,7 @@ def test_calibrate_chooses_and_saves_an_early_exit_policy(tmp_path, capsys):
     heads, original = _exit_classifier(tmp_path, model)
     mine = "## Sweep notes\n\nWritten by hand, kept by calibration.\n"
     (heads / "README.md").write_text((heads / "README.md").read_text() + "\n" + mine)
-    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+    rc = main(["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
                "--max-new-tokens", "8", "--grid", "max_depth=1,3 threshold=0,0.5", "--linear-backend", "stock"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -316,7 +352,7 @@ def test_calibrate_chooses_and_saves_a_feature_drafter_policy(tmp_path, capsys, 
     mine = "## Measured by hand\n\nA section its owner wrote.\n"
     (heads / "README.md").write_text(card.replace("## Default drafting", mine + "\n## Default drafting"))
     before = from_pretrained(heads, model).state_dict()
-    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+    rc = main(["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
                "--max-new-tokens", "8", "--grid", "depth=1,3 nodes=2,5", "--linear-backend", "stock"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -360,7 +396,7 @@ def test_calibrate_can_keep_a_shared_drafters_default_and_save_for_this_machine_
     default = {"depth": 2, "nodes": 2, "top_k": 2, "width": 2, "threshold": 0.3}
     draft.config.decoding = dict(default)
     heads = save_pretrained(draft, tmp_path / "eagle")
-    argv = ["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+    argv = ["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
             "--max-new-tokens", "8", "--linear-backend", "stock", "--keep-default"]
     assert main([*argv, "--grid", "depth=1,3 nodes=3"]) == 0
     out = capsys.readouterr().out
@@ -492,7 +528,7 @@ def test_exit_classifiers_keep_a_policy_per_kind_of_machine(tmp_path, capsys):
     heads, _ = _exit_classifier(tmp_path, model)
     config = json.loads((heads / "config.json").read_text())
     default = config["policy"]
-    argv = ["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+    argv = ["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
             "--max-new-tokens", "8", "--linear-backend", "stock"]
     assert main([*argv, "--grid", "max_depth=1,3", "--keep-default"]) == 0
     assert f"over the early-exit classifier's saved one, {json.dumps(default)} (default)" in capsys.readouterr().out
@@ -522,7 +558,7 @@ def test_calibrating_a_float16_exit_classifier_keeps_it_float16(tmp_path):
     heads, _ = _exit_classifier(tmp_path, model, dtype=torch.float16)
     assert stored_float_dtype(heads) == torch.float16
     before = ExitClassifier.from_pretrained(heads, model).state_dict()
-    assert main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
+    assert main(["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
                  "--max-new-tokens", "4", "--grid", "max_depth=1,2", "--linear-backend", "stock"]) == 0
     assert stored_float_dtype(heads) == torch.float16  # not doubled to float32 by the rewrite
     after = ExitClassifier.from_pretrained(heads, model).state_dict()
@@ -549,7 +585,7 @@ def test_calibrating_a_feature_drafter_as_a_fallback_decodes_each_policy_where_l
         return method
 
     monkeypatch.setattr(cal, "parse_method", spy)
-    rc = main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
+    rc = main(["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "2",
                "--max-new-tokens", "8", "--grid", "depth=1,3", "--linear-backend", "stock",
                "--fallback-of", "lookup", "--dry-run"])
     assert rc == 0
@@ -560,7 +596,7 @@ def test_calibrating_a_feature_drafter_as_a_fallback_decodes_each_policy_where_l
         assert isinstance(drafter, FallbackDrafter) and drafter.names == ["lookup", "eagle"]
         assert isinstance(drafter.drafters[1], EagleDrafter) and drafter.drafters[1].policy.depth == depth
     monkeypatch.setattr(cal, "parse_method", parse)
-    assert main(["calibrate", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
+    assert main(["calibrate", "--prefer-fastest", "--threads", "1", "--heads", str(heads), "--model", "tiny:llama", "--limit", "1",
                  "--max-new-tokens", "4", "--grid", "depth=1", "--linear-backend", "stock",
                  "--fallback-of", "lookup"]) == 0
     assert json.loads((heads / "calibration.json").read_text())["fallback_of"] == "lookup"
