@@ -332,5 +332,6 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                   "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
         path = search.save(model, args.heads, best.options, report, keep_default=args.keep_default)
-        print(f"saved policy {best.label} into {path} (details in calibration.json)")
+        what = f"policy {best.label}" if best.options else "the saved policy, for this kind of machine,"
+        print(f"saved {what} into {path} (details in calibration.json)")
     return 0
