@@ -269,7 +269,7 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
     if dynamic is not None and str(dynamic) == "0":  # a static tree: the saved one, never a saved dynamic tree
         dynamic = None
         if tree is None:
-            tree = saved["tree"] if saved["tree"] is not None else DEFAULT_TREE_SIZE
+            tree = resolve_tree(saved["tree"], heads)  # a saved null: the heads' default tree size
     if tree is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting: its tree (a dynamic
         tree = saved["tree"]                            # tree's pool or depth), its dynamic tree unless one is given
         if dynamic is None and saved["dynamic_tree"]:

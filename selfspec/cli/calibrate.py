@@ -10,7 +10,7 @@ Two ways to predict what a setting accepts:
 
 Either way the verification cost of every tree size is measured on this machine, and the chosen setting has the
 most predicted tokens per second. A prediction can miss what decoding then runs at (on a 2-core Zen 5 the replay
-chose a dynamic tree that decoded 10% slower than the saved static one): the third way measures instead,
+chose a dynamic tree that decoded 9% slower than the saved static one): the third way measures instead,
 
 - ``--mode decode``: decode the prompts with every setting of ``--grid`` (``tree=3``: a static tree of 3 nodes grown
   from the heads' accuracies; ``dynamic=4``: a dynamic tree of 4 nodes, ``0`` static; ``width``, ``top_k``) beside
@@ -20,8 +20,8 @@ An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo ex
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
 saved as the classifier's policy. The policy saved before is decoded too, and stays unless a policy of the grid is
-faster beyond the run's 95% interval (``--prefer-fastest``: the fastest anyway): eight prompts rarely tell close
-policies apart, and a choice within the noise ran slower held out as often as not. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
+faster than it beyond the run's 95% interval (``--prefer-fastest``: the fastest anyway): eight prompts rarely tell
+close policies apart, and on the Zen 5 of docs/RESULTS.md both choices within the noise ran slower held out. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
 depth, node budget, children per node and width): its draft cost depends on the tree and on this machine's kernels as
 much as its acceptance does. Whatever the drafter, the choice is saved for this kind of machine (``x86_64-avx2``,
 ``x86_64-avx512``, ``cuda``...; ``decoding.by_machine``) and, unless ``--keep-default``, as the default that machines
@@ -139,7 +139,7 @@ def register(subparsers) -> None:
                    help="Medusa heads: predict each setting's speed by replay on real continuations (default) or "
                         "from head accuracies, or measure it: decode the prompts with every setting of --grid "
                         "beside plain decoding (slower, and what a benchmark sees)")
-    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="static tree sizes (draft nodes)")
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="replay and accuracy modes: static tree sizes (draft nodes; --mode decode takes --grid)")
     p.add_argument("--dynamic-sizes", default="4,6,8,10,12,16,20",
                    help="replay, sequential heads: dynamic tree sizes to try ('' for none)")
     p.add_argument("--widths", default="2,4", help="replay: dynamic trees' paths expanded per depth")
@@ -150,9 +150,9 @@ def register(subparsers) -> None:
     p.add_argument("--with-lookup", dest="merged_with", action="store_const", const="lookup",
                    help="the same as --merged-with lookup")
     p.add_argument("--fallback-of", metavar="DRAFTERS", default=None,
-                   help="feature drafters and early-exit classifiers: calibrate them as a fallback, drafting only in "
-                        "the steps where DRAFTERS propose nothing (lookup, or lookup|datastore:DIR), as "
-                        "--draft 'DRAFTERS|eagle' uses them")
+                   help="drafters calibrated by decoding (feature drafters, early-exit classifiers, Medusa heads "
+                        "with --mode decode): calibrate them as a fallback, drafting only in the steps where DRAFTERS "
+                        "propose nothing (lookup, or lookup|datastore:DIR), as --draft 'DRAFTERS|eagle' uses them")
     p.add_argument("--prefix-length", type=int, default=128, help="KV-cache length during the latency runs")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size (median taken)")
     p.add_argument("--overhead-ms", type=float, default=1.0, help="fixed per-step cost added to every setting")
@@ -301,8 +301,13 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
     print(f"calibration: {len(grid)} {search.what} policies{used}"
           f"{'' if args.prefer_fastest else ' and the saved one'} beside plain decoding, {len(prompts)} prompts"
           f" x {args.max_new_tokens} tokens", flush=True)
-    print(f"each policy applies over the {search.what}'s saved one, {json.dumps(saved)} ({source}), whose fields "
-          "the grid does not set", flush=True)
+    if kind == "medusa":
+        print(f"the heads' saved drafting here: {json.dumps(saved)} ({source}); a policy with tree=N drafts a static "
+              "tree unless it sets dynamic, one without tree drafts over the saved tree, and a dynamic tree without "
+              "width or top_k expands 4 x 4", flush=True)
+    else:
+        print(f"each policy applies over the {search.what}'s saved one, {json.dumps(saved)} ({source}), whose fields "
+              "the grid does not set", flush=True)
     print("policy | tau | speedup | draft ms/step | speed over the chosen policy's (95% interval)")
 
     def show(r) -> None:
@@ -321,7 +326,8 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
               "run (interval over the chosen holds 1.0): more or longer prompts (--limit, --max-new-tokens) would "
               "decide between them", flush=True)
     if not args.dry_run:
-        report = {"mode": "decode", "chosen": best.options, "merged_with": args.merged_with,
+        report = {"mode": "decode", "chosen": best.options, "saved_policy": saved, "saved_source": source,
+                  "kept_saved": not best.options, "merged_with": args.merged_with,
                   "fallback_of": args.fallback_of,
                   "candidates": [{"policy": r.options, "tau": r.tau, "speedup": r.speedup,
                                   "tokens_per_s": r.tokens_per_s, "draft_ms_per_step": r.draft_ms_per_step,
@@ -332,6 +338,7 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                   "prompts": args.prompts or "builtin", "spread": args.spread, "limit": len(prompts),
                   "max_new_tokens": args.max_new_tokens}
         path = search.save(model, args.heads, best.options, report, keep_default=args.keep_default)
-        what = f"policy {best.label}" if best.options else "the saved policy, for this kind of machine,"
-        print(f"saved {what} into {path} (details in calibration.json)")
+        what = f"policy {best.label}" if best.options else "the saved policy"
+        where = "for this kind of machine" + ("" if args.keep_default else " and as the default")
+        print(f"saved {what} {where} into {path} (details in calibration.json)")
     return 0

@@ -199,6 +199,24 @@ def test_the_saved_policy_stays_unless_a_policy_is_faster_beyond_the_runs_interv
     assert cal.choose_policy([saved, noisy, clear], keep_saved=True) == 2
     assert cal.choose_policy([clear, noisy], keep_saved=True) == 0  # the saved one is the fastest
     assert cal.choose_policy([saved[:1], noisy[:1]], keep_saved=True) == 1  # one prompt: no interval, the fastest
+    steady = policy([0.95, 1.9, 1.45, 1.15])  # a little faster on every prompt
+    assert cal.choose_policy([saved, noisy, steady], keep_saved=True) == 2  # the fastest of those that beat it
+
+
+def test_a_medusa_policy_over_a_null_tree_saves_the_tree_that_ran(tmp_path):
+    """Heads saved without a tree draft the default tree size: keeping their saved drafting must save that tree,
+    not an empty one (which would turn drafting off)."""
+    from decoding import make_drafter
+
+    model, _ = load_model("tiny:llama")
+    MedusaHeads.for_model(model, num_heads=3, head_accuracy=ACCURACY).save_pretrained(tmp_path)
+    assert MedusaConfig.load(tmp_path).tree is None
+    ran = make_drafter("medusa", model, str(tmp_path)).template.choices
+    assert ran and make_drafter("medusa", model, str(tmp_path), dynamic=0).template.choices == ran
+    cal.save_medusa_policy(model, tmp_path, {}, {"cpu": "test CPU"}, keep_default=True)
+    entry = MedusaConfig.load(tmp_path).drafting_by_machine[machine_class()]["policy"]
+    assert entry == {"tree": ran, "dynamic_tree": None}
+    assert make_drafter("medusa", model, str(tmp_path)).template.choices == ran
 
 
 def test_calibration_decodes_the_saved_policy_beside_the_grid(tmp_path, capsys):
