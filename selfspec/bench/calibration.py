@@ -412,10 +412,10 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
     ``merged_with``: decode each policy merged with these drafters (``lookup``, ``lookup+datastore:DIR``).
     ``fallback_of``: the drafter drafts only in the steps where these propose nothing (``lookup``, or
     ``lookup|datastore:DIR``: the spec ``FALLBACK_OF|DRAFTER:HEADS``), as ``selfspec generate --draft`` would use it.
-    ``keep_saved``: decode the drafter's saved policy too (the first row, options ``{}``), and keep it unless the
-    fastest policy is faster beyond this run's 95% interval (``choose_policy``): a policy the run cannot tell
-    apart from the saved one is as likely to be slower where it is used (on held-out prompts, on the Zen 5 of
-    docs/RESULTS.md, two such choices ran 6% and 9% slower than the saved tree).
+    ``keep_saved``: decode the drafter's saved policy too (the first row, options ``{}``), and keep it unless a
+    policy is faster beyond this run's interval (``choose_policy``; 95% for the whole grid): a policy the run cannot
+    tell apart from the saved one may well be slower where it is used (held out, on the Zen 5 of docs/RESULTS.md,
+    two such choices ran 6% and 9% slower than the saved tree).
 
     Raises:
         ValueError: ``fallback_of`` holds a ``+`` (a fallback binds tighter: merge with ``merged_with``) or names
@@ -453,14 +453,16 @@ def search_policies(model: Any, drafter_name: str, heads_dir: str | Path, grid: 
 def choose_policy(generations: Sequence[Sequence[Any]], keep_saved: bool = False) -> int:
     """The index of the policy to save among ``generations`` (per policy, its per-prompt results, decoded side by
     side): the fastest in summed tokens/s; with ``keep_saved``, the fastest of the policies faster than policy 0 (the
-    saved one) beyond a 95% paired-bootstrap interval (``speedup_interval``), else policy 0 (with fewer than two
-    prompts there is no interval: the fastest). The interval is not corrected for picking among many rows, so a
-    noisy grid still replaces the saved policy somewhat more often than one time in 20."""
+    saved one) beyond a paired-bootstrap interval (``speedup_interval``), else policy 0 (with fewer than two prompts
+    there is no interval: the fastest). The intervals are Bonferroni-corrected (each at ``1 - 0.05 / rows``), so a
+    grid of policies no better than the saved one replaces it at most one time in 20, however many rows it has."""
     fastest = max(range(len(generations)), key=lambda i: tokens_per_s(generations[i]))
     if not keep_saved or fastest == 0 or len(generations[0]) < 2:
         return fastest
+    level = 1.0 - 0.05 / (len(generations) - 1)  # Bonferroni: 95% for the whole grid, not for each row
     beats_saved = [i for i in range(1, len(generations))
-                   if (interval := speedup_interval(generations[i], generations[0])) is not None and interval[0] > 1.0]
+                   if (interval := speedup_interval(generations[i], generations[0], level=level)) is not None
+                   and interval[0] > 1.0]
     return max(beats_saved, key=lambda i: tokens_per_s(generations[i])) if beats_saved else 0
 
 

@@ -20,7 +20,8 @@ An early-exit classifier (``--heads`` of kind ``early-exit``, e.g. a Kangaroo ex
 shallow layers, whose cost replay cannot predict: its draft policy (chain length, confidence threshold, top-k) is
 chosen by decoding the calibration prompts with every policy of ``--grid`` beside plain decoding in the same run, and
 saved as the classifier's policy. The policy saved before is decoded too, and stays unless a policy of the grid is
-faster than it beyond the run's 95% interval (``--prefer-fastest``: the fastest anyway): eight prompts rarely tell
+faster than it beyond the run's interval (95% for the whole grid, Bonferroni-corrected; ``--prefer-fastest``: the
+fastest anyway): eight prompts rarely tell
 close policies apart, and on the Zen 5 of docs/RESULTS.md both choices within the noise ran slower held out. A feature drafter (EAGLE, ``eagle/``) is calibrated the same way (its tree's
 depth, node budget, children per node and width): its draft cost depends on the tree and on this machine's kernels as
 much as its acceptance does. Whatever the drafter, the choice is saved for this kind of machine (``x86_64-avx2``,
@@ -172,7 +173,7 @@ def register(subparsers) -> None:
     p.add_argument("--prefer-fastest", action="store_true",
                    help="decoded policies: save the fastest of the grid even where this run cannot tell it apart "
                         "from the saved policy (by default the saved policy is decoded too and stays unless a policy "
-                        "is faster beyond the run's 95%% interval)")
+                        "is faster beyond the run's interval, 95%% for the whole grid)")
     p.add_argument("--grid", default=None,
                    help="early-exit classifiers, feature drafters and Medusa heads with --mode decode: draft "
                         f"policies to decode, NAME=V1,V2 items (default {EXIT_GRID!r} for an exit classifier, "
@@ -318,8 +319,8 @@ def _run_policy_search(args, grid: list[dict], kind: str) -> int:
                                  fallback_of=args.fallback_of, keep_saved=not args.prefer_fastest, progress=show)
     print(f"chosen: {best.label} (tau {best.tau:.2f}, {best.speedup:.2f}x plain decoding)")
     if not best.options and len(rows) > 1:
-        print("the saved policy stays: no policy of the grid was faster than it beyond this run's 95% interval "
-              "(--prefer-fastest takes the fastest anyway)", flush=True)
+        print("the saved policy stays: no policy of the grid was faster than it beyond this run's interval, 95% for "
+              "the whole grid (--prefer-fastest takes the fastest anyway)", flush=True)
     ties = [r for r in rows if r is not best and r.vs_chosen is not None and r.vs_chosen[1] >= 1.0]
     if ties:
         print(f"{len(ties)} other {'policy is' if len(ties) == 1 else 'policies are'} not told apart from it by this "

@@ -201,6 +201,12 @@ def test_the_saved_policy_stays_unless_a_policy_is_faster_beyond_the_runs_interv
     assert cal.choose_policy([saved[:1], noisy[:1]], keep_saved=True) == 1  # one prompt: no interval, the fastest
     steady = policy([0.95, 1.9, 1.45, 1.15])  # a little faster on every prompt
     assert cal.choose_policy([saved, noisy, steady], keep_saved=True) == 2  # the fastest of those that beat it
+    # a policy that beats the saved one at 95% on its own, but not at 95% for a grid of eleven (Bonferroni)
+    saved = policy([1.0] * 12)
+    marginal = policy([0.93, 0.95, 0.94, 0.96, 0.92, 0.95, 0.97, 0.94, 1.06, 0.93, 0.95, 1.07])
+    assert cal.speedup_interval(marginal, saved)[0] > 1.0
+    assert cal.choose_policy([saved, marginal], keep_saved=True) == 1
+    assert cal.choose_policy([saved, marginal] + [policy([1.01] * 12)] * 10, keep_saved=True) == 0
 
 
 def test_a_medusa_policy_over_a_null_tree_saves_the_tree_that_ran(tmp_path):
