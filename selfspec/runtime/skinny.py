@@ -111,12 +111,57 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def clear_stale_build_lock(directory: Path) -> bool:
+    """Remove the ``lock`` file PyTorch's ``cpp_extension`` leaves in a build ``directory`` when the process that
+    was building there is killed (Ctrl-C, OOM, a timeout): every later build would wait on it forever. A lock is
+    stale when none of the processes that announced a build there (``building-<pid>`` files, written by
+    ``compile_extension``) is alive, or, with no announcement (a build by another tool), when it is older than an
+    hour. Returns whether a lock was removed."""
+    import time
+    import warnings
+
+    lock = directory / "lock"
+    if not lock.exists():
+        return False
+    owners = [int(f.name.split("-", 1)[1]) for f in directory.glob("building-*") if f.name.split("-", 1)[1].isdigit()]
+    if owners:
+        if any(_alive(pid) for pid in owners):
+            return False
+    else:
+        try:
+            if time.time() - lock.stat().st_mtime < 3600:
+                return False
+        except FileNotFoundError:
+            return False
+    for pid in owners:
+        (directory / f"building-{pid}").unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    warnings.warn(f"removed a stale build lock in {directory} (left by a killed build); building again", stacklevel=3)
+    return True
+
+
 def compile_extension(name: str, source: Path, flags: list[str], directory: Path):
     """Compile ``source`` with PyTorch's ``cpp_extension`` into ``directory`` and import it as ``name``, with the
     ninja of this virtualenv on ``PATH`` (it need not be: ``.venv/bin/python ...``). Also used by
-    ``scripts/kernel_ab.py`` to build two versions of the kernel side by side."""
+    ``scripts/kernel_ab.py`` to build two versions of the kernel side by side. A lock left by a killed build is
+    removed first (``clear_stale_build_lock``)."""
     from torch.utils import cpp_extension
 
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_build_lock(directory)
+    announce = directory / f"building-{os.getpid()}"
+    announce.touch()
     path = os.environ.get("PATH", "")
     try:
         import ninja  # the PyPI package: its binary is in the venv
@@ -128,6 +173,7 @@ def compile_extension(name: str, source: Path, flags: list[str], directory: Path
                                   build_directory=str(directory), verbose=False)
     finally:
         os.environ["PATH"] = path
+        announce.unlink(missing_ok=True)
 
 
 def _build():

@@ -876,3 +876,31 @@ def test_medusa_heads_choose_their_own_draft_weights(built, monkeypatch, tmp_pat
     assert make_drafter(f"medusa:{tmp_path / 'm'}[draft_weights=q8_0]", model).draft_weights == "q8_0"
     with pytest.raises(ValueError, match="draft_weights must be one of float16, float32, q8_0, q4_1"):
         MedusaDrafter(heads, draft_weights="q5")
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_is_kept(tmp_path):
+    """cpp_extension waits forever on a ``lock`` file whose builder was killed; compile_extension clears it first."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from selfspec.runtime.skinny import clear_stale_build_lock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "lock").touch()
+    (tmp_path / f"building-{dead.pid}").touch()
+    with pytest.warns(UserWarning, match="removed a stale build lock"):
+        assert clear_stale_build_lock(tmp_path)
+    assert not (tmp_path / "lock").exists() and not list(tmp_path.glob("building-*"))
+    (tmp_path / "lock").touch()
+    (tmp_path / f"building-{os.getpid()}").touch()  # a build still running (this process)
+    assert not clear_stale_build_lock(tmp_path) and (tmp_path / "lock").exists()
+    (tmp_path / f"building-{os.getpid()}").unlink()
+    assert not clear_stale_build_lock(tmp_path)  # no announcement: a fresh lock may be another tool's build
+    old = time.time() - 2 * 3600
+    os.utime(tmp_path / "lock", (old, old))
+    with pytest.warns(UserWarning):
+        assert clear_stale_build_lock(tmp_path)  # ... but not one an hour old
+    assert not clear_stale_build_lock(tmp_path)  # nothing to clear
