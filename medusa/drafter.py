@@ -266,13 +266,12 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
     saved, where = heads.config.drafting_for(machine)
     given = [v for v in (tree, dynamic, width, top_k, draft_weights) if v is not None]
     source = "options" if tree is not None else by_machine.source_label(where, machine) + " + options" * bool(given)
-    if dynamic is not None and str(dynamic) == "0":  # a static tree: the saved one, never a saved dynamic tree
+    static = dynamic is not None and str(dynamic) == "0"  # a static tree, never a saved dynamic tree
+    if static:
         dynamic = None
-        if tree is None:
-            tree = resolve_tree(saved["tree"], heads)  # a saved null: the heads' default tree size
-    if tree is None and where != "tree/dynamic_tree":  # this machine's calibrated drafting: its tree (a dynamic
-        tree = saved["tree"]                            # tree's pool or depth), its dynamic tree unless one is given
-        if dynamic is None and saved["dynamic_tree"]:
+    if tree is None:  # the saved drafting (this machine's entry, else the default): its tree (a dynamic tree's pool
+        tree = resolve_tree(saved["tree"], heads)  # or depth; a saved null: the default size), its dynamic tree
+        if dynamic is None and not static and saved["dynamic_tree"]:
             dynamic = saved["dynamic_tree"]["size"]
             width = saved["dynamic_tree"].get("width") if width is None else width
             top_k = saved["dynamic_tree"].get("top_k") if top_k is None else top_k

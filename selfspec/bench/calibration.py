@@ -314,7 +314,13 @@ def save_setting(model: Any, heads_dir: str | Path, setting: Setting, report: di
     (which checks they belong to it) and saved again by their own ``save_pretrained``, which rewrites the directory
     atomically."""
     heads_dir = Path(heads_dir)
-    heads = MedusaHeads.from_pretrained(heads_dir, model)
+    return _save_drafting(model, MedusaHeads.from_pretrained(heads_dir, model), heads_dir, setting, report,
+                          keep_default)
+
+
+def _save_drafting(model: Any, heads: MedusaHeads, heads_dir: Path, setting: Setting, report: dict,
+                   keep_default: bool) -> Path:
+    """``save_setting`` on heads already loaded from ``heads_dir``."""
     config = heads.config
     machine, where = _this_machine(model, report)
     if setting.dynamic is not None:  # parallel heads pick the dynamic tree's nodes from the static tree
@@ -473,7 +479,8 @@ def save_medusa_policy(model: Any, heads_dir: str | Path, options: dict[str, Any
     tree the drafter ran with (a missing ``tree`` is this machine's saved one, as the drafter took it)."""
     from medusa.drafter import resolve_tree
 
-    heads = MedusaHeads.from_pretrained(Path(heads_dir), model)
+    heads_dir = Path(heads_dir)
+    heads = MedusaHeads.from_pretrained(heads_dir, model)
     machine, _ = _this_machine(model, report)
     saved = heads.config.drafting_for(machine)[0]
     # the tree the drafter ran with (``resolve_tree``: a saved ``null`` is the default tree size, never "no tree")
@@ -486,7 +493,7 @@ def save_medusa_policy(model: Any, heads_dir: str | Path, options: dict[str, Any
     setting = (Setting(choices=choices) if not dynamic else
                Setting(choices=choices, dynamic={"size": int(dynamic), "width": int(options.get("width", 4)),
                                                  "top_k": int(options.get("top_k", 4))}))
-    return save_setting(model, heads_dir, setting, report, keep_default=keep_default)
+    return _save_drafting(model, heads, heads_dir, setting, report, keep_default)
 
 
 def save_exit_policy(model: Any, heads_dir: str | Path, options: dict[str, Any], report: dict, *,
