@@ -548,6 +548,50 @@ def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
     return chosen
 
 
+#: the batch ``batch_backend`` times (rows, tokens): a training batch's shape, thousands of rows per linear
+BATCH_PROBE = (4, 256)
+
+
+def batch_backend(model: nn.Module, remeasure: bool = False) -> str:
+    """The faster of ``stock`` and ``onednn`` for no-grad forwards of whole batches: what a training recipe runs the
+    frozen base for (its features and the teacher's distribution). These are GEMMs of thousands of rows, where the
+    skinny kernel has no part and the two GEMM libraries inside PyTorch differ by machine: on the Zen 5 EPYC of
+    docs/RESULTS.md, MKL's float32 GEMM reaches ~180 GFLOPS and oneDNN's ~390, and the base's feature pass ran
+    1.7x faster on oneDNN. So it is measured, not assumed: the best of three interleaved forwards of a
+    ``BATCH_PROBE`` batch on each, once per CPU and model, kept beside the decode choice
+    (``SELFSPEC_REMEASURE=1`` or ``remeasure`` measures again). The two agree to float32 rounding. ``stock``
+    where oneDNN is missing or the model is not float32 on the CPU."""
+    params = next(model.parameters(), None)
+    if (params is None or params.device.type != "cpu" or params.dtype != torch.float32
+            or not onednn_available()):
+        return "stock"
+    key = _choice_key(model, BATCH_PROBE) + "-batch"
+    entry = _recorded_choice(key, remeasure)
+    if entry is not None and entry.get("backend") in ("stock", "onednn"):
+        return entry["backend"]
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, BATCH_PROBE, generator=torch.Generator().manual_seed(0))
+    previous = linear_backend_of(model)
+    best = {"stock": float("inf"), "onednn": float("inf")}
+    try:
+        with torch.inference_mode():
+            for backend in best:  # warm-up: first calls pack weights and pick primitives
+                set_linear_backend(model, backend)
+                model.get_decoder()(input_ids=ids[:1, :16], use_cache=False)
+            for _ in range(3):
+                for backend in best:
+                    set_linear_backend(model, backend)
+                    start = time.perf_counter()
+                    model.get_decoder()(input_ids=ids, use_cache=False)
+                    best[backend] = min(best[backend], time.perf_counter() - start)
+    finally:
+        set_linear_backend(model, previous)
+    chosen = min(best, key=best.__getitem__)
+    _record_choice(key, {"backend": chosen, **cpu_signature(), "batch": list(BATCH_PROBE),
+                         "ms": {b: round(1000 * t, 3) for b, t in best.items()}})
+    return chosen
+
+
 @torch.inference_mode()
 def measure_backends(model: nn.Module, backends: list[str], sizes: tuple[int, ...], prefix: int = 256,
                      rounds: int = 3) -> dict[str, dict[int, float]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.runtime import kernels
 from selfspec.runtime.adapters import export_backbone_adapter
 from selfspec.runtime.models import load_model
 from selfspec.training import checkpoints, session
@@ -108,15 +109,47 @@ class Recipe:
                                                     cfg.optim.mixed_precision)
         self.base, self.tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).eval().to(self.accelerator.device)
+        self.base_backend = self._set_base_backend()
         self.train_examples, self.eval_examples = session.prepare_examples(
             cfg.data, self.base, self.tokenizer, self.output_dir / "data", self.accelerator, cfg.seed)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
+    def _set_base_backend(self) -> str:
+        """Put the frozen base's linear layers on ``optim.base_linear_backend`` (``auto``: the faster here,
+        measured by the main process so that every process computes features alike) and say so; returns it.
+
+        Raises:
+            ValueError: ``onednn`` asked for a base that is not on the CPU, or a PyTorch without oneDNN.
+        """
+        acc, asked = self.accelerator, self.cfg.optim.base_linear_backend
+        on_cpu = next(self.base.parameters()).device.type == "cpu"
+        if asked == "onednn" and not on_cpu:
+            raise ValueError("optim.base_linear_backend=onednn runs the base's linears on the CPU, but the base is on "
+                             f"{acc.device}; use auto or stock there")
+        choice = asked
+        if asked == "auto":
+            choice = [kernels.batch_backend(self.base) if acc.is_main_process else None]
+            if acc.num_processes > 1:
+                from accelerate.utils import broadcast_object_list
+
+                broadcast_object_list(choice)
+            choice = choice[0]
+        if choice != "stock":
+            kernels.set_linear_backend(self.base, choice)
+        if on_cpu:
+            acc.print(f"base model forwards (features, teacher): linear layers on {choice}"
+                      + (" (measured fastest here)" if asked == "auto" else ""))
+        return choice
+
     def add_lora(self):
         """Inject ``cfg.lora`` adapters into the base model in place (``self.peft`` wraps it): every module that
-        holds its decoder now runs them, and they are its only trainable parameters."""
+        holds its decoder now runs them, and they are its only trainable parameters. The base goes back to stock
+        kernels first: its forwards now carry gradients, which only stock kernels take."""
         from peft import LoraConfig, get_peft_model
 
+        if self.base_backend != "stock":
+            kernels.set_linear_backend(self.base, "stock")
+            self.base_backend = "stock"
         lora = self.cfg.lora
         self.peft = get_peft_model(self.base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=list(lora.target_modules)))

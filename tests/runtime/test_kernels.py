@@ -127,3 +127,53 @@ def test_auto_measures_the_step_sizes_once_per_machine_and_keeps_the_curve(tmp_p
     assert entry["cpu"] == K.cpu_signature()["cpu"] and set(entry["ms"]) >= {"stock"}
     assert set(entry["ms"]["stock"]) == {"1", "4", "8"} and entry["backend"] in entry["ms"]
     assert min(entry["ms"], key=lambda b: sum(entry["ms"][b].values())) == entry["backend"]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+def test_batch_backend_times_a_batch_on_both_gemms_once_per_machine_and_keeps_the_figures(tmp_path, monkeypatch):
+    import json
+
+    import selfspec.runtime.kernels as K
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("SELFSPEC_REMEASURE", raising=False)
+    monkeypatch.setattr(K, "BATCH_PROBE", (2, 8))
+    switches = []
+    real = K.set_linear_backend
+    monkeypatch.setattr(K, "set_linear_backend", lambda model, b, **kw: switches.append(b) or real(model, b, **kw))
+    model = tiny_model("llama", dtype=torch.float32)
+    chosen = K.batch_backend(model)
+    assert chosen in ("stock", "onednn") and set(switches) == {"stock", "onednn"}
+    assert linear_backend_of(model) == "stock"  # measured, then left as it was
+    [entry] = json.loads((tmp_path / "kernels" / "backend-choices.json").read_text()).values()
+    assert entry["backend"] == chosen == min(entry["ms"], key=entry["ms"].get) and entry["batch"] == [2, 8]
+    switches.clear()
+    assert K.batch_backend(model) == chosen and switches == []  # remembered: nothing measured again
+    K.batch_backend(model, remeasure=True)
+    assert set(switches) == {"stock", "onednn"}
+    # a model that is not float32 on the CPU has one choice, measured never
+    switches.clear()
+    assert K.batch_backend(tiny_model("llama", dtype=torch.float64)) == "stock" and switches == []
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+def test_onednn_gives_a_padded_batchs_features_and_teacher_as_stock_does():
+    from selfspec.training import hidden_states
+
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(2, 96, (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    layers = [1, 2, -1]
+    with torch.no_grad():
+        stock = hidden_states(model, ids, mask, layers)
+        set_linear_backend(model, "onednn")
+        fast = hidden_states(model, ids, mask, layers)
+        head = model.get_output_embeddings()
+        logits = head(fast[-1])
+        set_linear_backend(model, "stock")
+    for layer in layers:
+        valid = mask.bool()
+        torch.testing.assert_close(fast[layer][valid], stock[layer][valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, head(stock[-1]), rtol=1e-5, atol=1e-5)

@@ -117,6 +117,7 @@ def test_unknown_key_in_a_file_is_a_clear_error(medusa, tmp_path):
     ("method=medusa3", "method must be medusa1 or medusa2"),
     ("data.format=csv", "data.format 'csv' is not one of"),
     ("optim.schedule=linear", "optim.schedule must be cosine or constant"),
+    ("optim.base_linear_backend=mkl", "optim.base_linear_backend must be auto, stock or onednn"),
 ])
 def test_bad_values_are_clear_errors(medusa, override, message):
     with pytest.raises(ValueError, match=message):

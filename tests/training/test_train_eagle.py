@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import eagle.recipe as eagle_recipe
 from decoding.generate import generate
 from eagle.drafter import make_eagle_drafter
+from selfspec.runtime.kernels import linear_backend_of, onednn_available
 from selfspec.testing import (
     assert_same_run,
     greedy_reference,
@@ -122,6 +123,23 @@ def test_training_lowers_the_loss_and_saves_a_lossless_drafter(tmp_path):
         ids = random_prompt(n, seed=n)
         out = generate(r.base, drafter, ids, max_new_tokens=24)
         assert torch.equal(out.sequences, greedy_reference(r.base, ids, 24))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+def test_the_base_runs_the_gemm_asked_for_and_features_agree_with_stocks(tmp_path, capsys):
+    data = repetitive_conversations(tmp_path / "d.jsonl", 8)
+    stock = build(args(tmp_path, data, "optim.max_steps=1", "optim.base_linear_backend=stock"))
+    assert "linear layers on stock\n" in capsys.readouterr().out and linear_backend_of(stock.base) == "stock"
+    fast = build(args(tmp_path, data, "optim.max_steps=1", "optim.base_linear_backend=onednn",
+                      f"output_dir={tmp_path / 'fast'}"))
+    assert "linear layers on onednn\n" in capsys.readouterr().out and linear_backend_of(fast.base) == "onednn"
+    auto = build(args(tmp_path, data, "optim.max_steps=1", f"output_dir={tmp_path / 'auto'}"))  # the default
+    assert f"linear layers on {auto.base_backend} (measured fastest here)" in capsys.readouterr().out
+    a, b = stock.make_batch([0, 1, 2]), fast.make_batch([0, 1, 2])
+    for layer in a["features"]:
+        torch.testing.assert_close(b["features"][layer], a["features"][layer], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.loss(b, fast.counts(b))[0], stock.loss(a, stock.counts(a))[0], rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_cached_features_give_the_same_loss_as_running_the_base(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import medusa.recipe as medusa_recipe
+from selfspec.runtime.kernels import linear_backend_of
 from selfspec.runtime.models import load_model
 from selfspec.testing import assert_same_run, launch_recipe, logged_losses, repetitive_conversations
 
@@ -63,6 +64,8 @@ def test_trainable_parameters_are_exactly_the_recipes(recipe, tmp_path):
     r2 = run_recipe(recipe, args(tmp_path, data, "method=medusa2", "optim.max_steps=1", f"output_dir={tmp_path / 'm2'}"))
     names = {n for n, p in r2.model.named_parameters() if p.requires_grad}
     assert {"heads.resblock_weight", "heads.resblock_bias"} < names
+    # the adapted base's forwards carry gradients: back on stock kernels, whatever optim.base_linear_backend chose
+    assert r2.base_backend == "stock" and linear_backend_of(r2.base) == "stock"
     assert all("lora_" in n for n in names - {"heads.resblock_weight", "heads.resblock_bias"})
     r2.model.backbone.layers[0].mlp.up_proj.weight.requires_grad_(True)
     with pytest.raises(AssertionError, match="LoRA"):
