@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 
 def check_entries(entries: dict | None, where: str) -> None:
@@ -48,6 +48,25 @@ def source_label(where: str, machine: str) -> str:
     """What a loaded drafter reports as the origin of its policy (``policy_for``'s ``where``): ``default`` or
     ``calibrated for <machine>``."""
     return f"calibrated for {machine}" if where.endswith("]") else "default"
+
+
+class Saved(NamedTuple):
+    """What a saved drafter asks for on a machine (``saved_for``)."""
+
+    options: dict  # the policy's options
+    where: str  # the config field they come from, e.g. "decoding_by_machine['x86_64-avx512']" (for messages)
+    source: str  # what the loaded drafter reports: "default" or "calibrated for <machine class>"
+
+
+def saved_for(lookup: Callable[[str], tuple[dict, str]], device: Any = None) -> Saved:
+    """The policy a saved drafter drafts with on this machine: ``lookup`` (its config's ``policy_for`` or
+    ``drafting_for``, ``machine class -> (options, where)``) asked for the class of the machine ``device`` is on
+    (``selfspec.runtime.kernels.machine_class``; None: this CPU)."""
+    from selfspec.runtime.kernels import machine_class
+
+    machine = machine_class(device)
+    options, where = lookup(machine)
+    return Saved(options, where, source_label(where, machine))
 
 
 def with_entry(entries: dict | None, machine: str, policy: dict[str, Any], calibrated_on: str) -> dict:

@@ -31,7 +31,7 @@ from decoding.tree import DraftTree, TreeTemplate
 from eagle.export import load_drafter
 from eagle.model import DraftCache, EagleDraftModel
 from selfspec.runtime.attention import follow_attention
-from selfspec.runtime.kernels import check_draft_weights, follow_backend, machine_class, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, follow_backend, using_draft_weights
 
 _DEPTH_TIE_BREAK = 1e-6  # per-depth score penalty: orders exact ties parent-first
 _MIN_LOG_PROB = -1e4
@@ -313,9 +313,7 @@ def saved_policy(config, device: torch.device | str | None = None) -> tuple[dict
     """``(options, source)``: the drafting a saved drafter asks for on a machine like this one (``device``: where
     the base model runs): its ``decoding_by_machine`` entry for this machine's class where there is one
     (``selfspec.runtime.kernels.machine_class``), else its default ``decoding``; ``source`` says which."""
-    machine = machine_class(device)
-    options, where = config.policy_for(machine)
-    source = by_machine.source_label(where, machine)
+    options, where, source = by_machine.saved_for(config.policy_for, device)
     unknown = sorted(set(options) - set(EaglePolicy.__dataclass_fields__))
     if unknown:
         raise ValueError(f"eagle drafter config: {where} names unknown option(s) {unknown} (known: "

@@ -8,7 +8,6 @@ from early_exit.classifier import ExitClassifier, new_classifier
 from early_exit.drafter import DraftPolicy, EarlyExitDrafter, LayerSkipDrafter
 from early_exit.layer_skip import LayerSkipConfig, default_skip_layers
 from early_exit.layers import check_supported
-from selfspec.runtime.kernels import machine_class
 from selfspec.runtime.layers import num_decoder_layers
 
 POLICY_OPTIONS = ("max_depth", "top_k", "width", "max_nodes", "threshold")
@@ -51,8 +50,7 @@ def make_early_exit_drafter(model, heads_dir: str | None = None, *, exit_layer: 
             raise ValueError(f"{heads_dir} is trained for exit layer {classifier.exit_layer}, not {exit_layer}")
     else:
         classifier = new_classifier(model, exit_layer if exit_layer is not None else num_decoder_layers(model) // 2)
-    machine = machine_class(next(model.parameters()).device)
-    saved, where = classifier.config.policy_for(machine)
+    saved, where, source = by_machine.saved_for(classifier.config.policy_for, next(model.parameters()).device)
     try:
         options = _policy(**{**saved, **policy})
     except ValueError as e:
@@ -62,7 +60,7 @@ def make_early_exit_drafter(model, heads_dir: str | None = None, *, exit_layer: 
                          "fix the entry or recalibrate with `selfspec calibrate`)") from None
     drafter = EarlyExitDrafter(model, classifier, options)
     if heads_dir is not None:
-        drafter.policy_source = by_machine.source_label(where, machine) + " + options" * bool(policy)
+        drafter.policy_source = source + " + options" * bool(policy)
     return drafter
 
 

@@ -27,7 +27,7 @@ from medusa.export import import_fasterdecoding, is_fasterdecoding_dir
 from medusa.heads import MedusaHeads
 from medusa.trees import DEFAULT_TREE_SIZE, default_tree
 from selfspec.runtime.attention import LayerCache
-from selfspec.runtime.kernels import check_draft_weights, machine_class, using_draft_weights
+from selfspec.runtime.kernels import check_draft_weights, using_draft_weights
 
 #: A tree: a template, Medusa choices, a size for ``default_tree``, or (from the command line) a string holding
 #: a size, a JSON list of choices, or the path of a JSON file with one.
@@ -262,10 +262,9 @@ def load(base_model: nn.Module, heads_dir: str | Path, *, tree: TreeSpec = None,
             heads = heads.to(dtype)
     else:
         heads = MedusaHeads.from_pretrained(heads_dir, base_model, dtype=dtype, merge_adapter=merge_adapter)
-    machine = machine_class(next(base_model.parameters()).device)
-    saved, where = heads.config.drafting_for(machine)
+    saved, where, source = by_machine.saved_for(heads.config.drafting_for, next(base_model.parameters()).device)
     given = [v for v in (tree, dynamic, width, top_k, draft_weights) if v is not None]
-    source = "options" if tree is not None else by_machine.source_label(where, machine) + " + options" * bool(given)
+    source = "options" if tree is not None else source + " + options" * bool(given)
     static = dynamic is not None and str(dynamic) == "0"  # a static tree, never a saved dynamic tree
     if static:
         dynamic = None

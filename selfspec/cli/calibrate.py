@@ -87,9 +87,8 @@ MEDUSA_SEQUENTIAL_GRID = "tree=2,3,4,6 dynamic=0,4,6 width=2 top_k=4"
 def _load_exit_classifier(heads: str, model) -> tuple[dict, str]:
     from early_exit.classifier import ExitClassifier
 
-    machine = machine_class(model.device)
-    saved, where = ExitClassifier.from_pretrained(heads, model).config.policy_for(machine)
-    return saved, by_machine.source_label(where, machine)
+    saved = by_machine.saved_for(ExitClassifier.from_pretrained(heads, model).config.policy_for, model.device)
+    return saved.options, saved.source
 
 
 def _load_eagle(heads: str, model) -> tuple[dict, str]:
@@ -113,9 +112,8 @@ class PolicySearch(NamedTuple):
 def _load_medusa(heads: str, model) -> tuple[dict, str]:
     from medusa import MedusaHeads
 
-    machine = machine_class(model.device)
-    saved, where = MedusaHeads.from_pretrained(heads, model).config.drafting_for(machine)
-    return saved, by_machine.source_label(where, machine)
+    saved = by_machine.saved_for(MedusaHeads.from_pretrained(heads, model).config.drafting_for, model.device)
+    return saved.options, saved.source
 
 
 #: the drafter kinds whose policy is chosen by decoding beside plain decoding (Medusa heads with ``--mode decode``)

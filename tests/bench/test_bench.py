@@ -334,7 +334,7 @@ def test_a_fallback_method_reports_which_drafter_each_step_came_from(tmp_path):
 def test_results_record_what_each_drafter_ran_with(tmp_path, monkeypatch):
     """``eagle:DIR`` means the tree saved for the machine it runs on: results.json records the resolved policy and
     where it came from, for every member of a combination or fallback (lookup's options too)."""
-    import eagle.drafter as drafter_module
+    import selfspec.runtime.kernels as drafter_module  # where every family asks its machine class
     from eagle.model import save_pretrained
     from selfspec.testing import eagle_draft
 

@@ -11,7 +11,7 @@ import torch
 
 from decoding.drafter import DecodeState, SamplingParams
 from decoding.generate import generate
-from eagle.drafter import EagleDrafter, EaglePolicy, make_eagle_drafter
+from eagle.drafter import EagleDrafter, EaglePolicy, make_eagle_drafter, saved_policy
 from eagle.model import DraftCache, EagleConfig, from_pretrained, save_pretrained
 from selfspec.runtime.tiny import tiny_gemma3, tiny_model
 from selfspec.testing import eagle_draft, greedy_reference, random_prompt
@@ -301,7 +301,7 @@ def test_save_load_round_trip_and_factory(llama, tmp_path):
 
 
 def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama, tmp_path, monkeypatch):
-    import eagle.drafter as drafter_module
+    import selfspec.runtime.kernels as drafter_module  # where every family asks its machine class
 
     draft = eagle_draft(llama, seed=4, draft_vocab_size=50)
     draft.config.decoding = {"depth": 3, "nodes": 7, "top_k": 2, "width": 2, "min_prob": 0.01}
@@ -337,7 +337,7 @@ def test_a_policy_calibrated_for_this_kind_of_machine_replaces_the_default(llama
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"decoding_by_machine\['x86_64-avx512'\] names unknown option\(s\) "
                                          r"\['treshold'\].*recalibrate"):
-        drafter_module.saved_policy(EagleConfig.load(bad / "config.json"))
+        saved_policy(EagleConfig.load(bad / "config.json"))
     # an entry that is not what calibrate writes is refused on load, naming the entry and the fix
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     config["decoding_by_machine"]["cuda"] = {"depth": 6}
