@@ -555,7 +555,8 @@ BATCH_PROBE = (4, 256)
 def batch_backend(model: nn.Module, remeasure: bool = False) -> str:
     """The faster of ``stock`` and ``onednn`` for no-grad forwards of whole batches: what a training recipe runs the
     frozen base for (its features and the teacher's distribution). These are GEMMs of thousands of rows, where the
-    skinny kernel has no part and the two GEMM libraries inside PyTorch differ by machine: on the Zen 5 EPYC of
+    two GEMM libraries inside PyTorch differ by machine (the skinny kernel, built for decoding's few rows, is not a
+    candidate here, though it can take a prompt's prefill: ``_prefill_rows``): on the Zen 5 EPYC of
     docs/RESULTS.md, MKL's float32 GEMM reaches ~180 GFLOPS and oneDNN's ~390, and the base's feature pass ran
     1.7x faster on oneDNN. So it is measured, not assumed: the best of three interleaved forwards of a
     ``BATCH_PROBE`` batch on each, once per CPU and model, kept beside the decode choice
