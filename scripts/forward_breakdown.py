@@ -1,12 +1,19 @@
-"""Where one forward's time goes on the skinny backend: the linear kernels (the LM head apart), the attention kernel,
-the rest of the decoder layers (norms, rotary, cache writes, Python) and everything outside them, per token count.
+"""Where one forward's time goes on the skinny backend, per token count.
 
     python scripts/forward_breakdown.py --tokens 1,8,16
+    python scripts/forward_breakdown.py --tokens 1,8,16 --unfused
 
-Each part is timed by wrapping the extension's entry points and the decoder layers' calls with a clock (~0.3 us a
-call, a few hundred calls a forward); each forward runs ``n`` new tokens over ``--prefix`` cached ones and is
-rolled back after. Medians of ``--repeats`` rounds, the token counts interleaved within a round. What no kernel
-does (the last two columns) is what fused operations and less Python can still take off a step.
+As decoding runs it (the default), a Llama-family decoder is one extension call for the whole stack of layers
+(``selfspec.runtime.lean.FUSED_STACK``): the table splits a forward into that call, the LM head and everything
+outside them (embedding, final norm, rotary tables, cache bookkeeping, transformers' Python). ``--unfused`` turns the
+fused stack and fused layers off (``lean.FUSED_STACK`` / ``lean.FUSED_LAYERS``: the same arithmetic, bitwise, one
+kernel call per matmul) so that the layers split further into their linear kernels, the attention kernel and the
+rest (norms, rotary, cache writes, Python); that forward is slower than the one decoding runs, by the Python the
+fused calls save, which the two tables side by side show.
+
+Each part is timed by wrapping the extension's entry points, the decoder layers' calls and the LM head with a clock
+(~0.3 us a call); each forward runs ``n`` new tokens over ``--prefix`` cached ones and is rolled back after. Medians
+of ``--repeats`` rounds, the token counts interleaved within a round.
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ import torch
 
 from selfspec.bench.cost import cpu_model
 from selfspec.runtime import cache as kv
-from selfspec.runtime import skinny
+from selfspec.runtime import lean, skinny
 from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.layers import decoder_layers
 from selfspec.runtime.models import load_model
 
-PARTS = ("linear", "head", "attention", "layers")
+PARTS = ("linear", "head", "attention", "layers", "stack")
 
 
 class _Clocked:
@@ -72,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--unfused", action="store_true",
+                        help="one kernel call per matmul (lean.FUSED_STACK and FUSED_LAYERS off), split further")
     args = parser.parse_args(argv)
+    if args.unfused:
+        lean.FUSED_STACK = lean.FUSED_LAYERS = False
     torch.set_num_threads(args.threads)
     sizes = sorted({int(n) for n in args.tokens.split(",")})
     model, _ = load_model(args.model)
@@ -81,6 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("the skinny backend is not available here")
     spent = dict.fromkeys(PARTS, 0.0)
     skinny._module = _Clocked(skinny.extension(), spent)
+    stack_call = skinny.decoder_stack  # the whole-stack call runs on an extension object, not through _module
+
+    def clocked_stack(*stack_args):
+        start = time.perf_counter()
+        try:
+            return stack_call(*stack_args)
+        finally:
+            spent["stack"] += time.perf_counter() - start
+
+    skinny.decoder_stack = clocked_stack
     for layer in decoder_layers(model):
         _clock_calls(layer, "layers", spent)
     _clock_calls(model.get_output_embeddings(), "head", spent)
@@ -99,15 +120,24 @@ def main(argv: list[str] | None = None) -> int:
             kv.crop(cache, args.prefix)
             if round_ >= 2:
                 # the head's forward calls the linear kernel: its time is in both; keep it in "head" only
-                rows[n].append({"total": total, "linears": spent["linear"] - spent["head"], "head": spent["head"],
+                linears = spent["linear"] - spent["head"]
+                rows[n].append({"total": total, "stack": spent["stack"], "linears": linears, "head": spent["head"],
                                 "attention": spent["attention"],
-                                "in layers": spent["layers"] - (spent["linear"] - spent["head"]) - spent["attention"],
-                                "outside": total - spent["layers"] - spent["head"]})
-    columns = ("total", "linears", "head", "attention", "in layers", "outside")
-    print(f"forward ms by part, skinny backend, {cpu_model()}, {args.threads} threads, {args.prefix} cached tokens, "
-          f"median of {args.repeats} rounds")
-    print("| tokens | total | layers' linears | LM head | attention | rest of the layers | outside the layers |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+                                "in layers": spent["layers"] - linears - spent["attention"],
+                                "outside": total - spent["stack"] - spent["layers"] - spent["head"]})
+        if round_ == 0 and not args.unfused and spent["stack"] == 0.0:
+            sys.exit("this model's decoder does not run as one fused call here; rerun with --unfused")
+    if args.unfused:
+        columns = ("total", "linears", "head", "attention", "in layers", "outside")
+        header = ("total", "layers' linears", "LM head", "attention", "rest of the layers", "outside the layers")
+    else:
+        columns = ("total", "stack", "head", "outside")
+        header = ("total", "decoder stack (one call)", "LM head", "outside them")
+    how = "one kernel call per matmul (--unfused)" if args.unfused else "as decoding runs it"
+    print(f"forward ms by part, skinny backend, {how}, {cpu_model()}, {args.threads} threads, {args.prefix} cached "
+          f"tokens, median of {args.repeats} rounds")
+    print("| tokens | " + " | ".join(header) + " |")
+    print("|---:|" + "---:|" * len(header))
     for n in sizes:
         cells = " | ".join(f"{statistics.median(r[c] for r in rows[n]) * 1e3:.2f}" for c in columns)
         print(f"| {n} | {cells} |")

@@ -6,9 +6,10 @@ of reading every weight once and doing their multiply-adds at the cores' peak ra
 the floor itself rises with the tokens, the linears are compute-bound and no kernel makes that tree cost what one
 token costs. ``--json`` prints one object ``{"cpu", "chosen", "threads", "prefix", "ms": {"1": ..},
 "stock_ms": {"1": ..}, "floor_ms": {"1": ..}, "read_gb_s", "gflops", "fma_gflops", "curves": {backend: {"1": ..}},
-"wide_tiles"}`` (``gflops``: a large GEMM through PyTorch's BLAS; ``fma_gflops``: the multiply-add peak the floor
+"wide_tiles", "small_prefetch"}`` (``gflops``: a large GEMM through PyTorch's BLAS; ``fma_gflops``: the multiply-add peak the floor
 uses, null where the skinny extension does not build; ``curves``: every backend measured; ``wide_tiles``: the tile
-shape 15-16 rows run as on the skinny kernel, null on other backends). ``--backends stock,onednn,skinny``
+shape 15-16 rows run as on the skinny kernel, null on other backends; ``small_prefetch``: whether its 1-4-row tiles
+software-prefetch here, null on other backends). ``--backends stock,onednn,skinny``
 measures those side by side as well (interleaved, as everything here).
 """
 
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
               "read_gb_s": limits["read_gb_s"], "streamed_mb": streamed_bytes(model) / 1e6,
               "weights": packed_formats(model), "gflops": limits["gflops"], "fma_gflops": limits.get("fma_gflops"),
               "curves": {b: {str(n): ms for n, ms in curves[b].items()} for b in backends},
-              "wide_tiles": skinny.wide_tiles() if chosen == "skinny" else None}
+              "wide_tiles": skinny.wide_tiles() if chosen == "skinny" else None,
+              "small_prefetch": skinny.small_prefetch() if chosen == "skinny" else None}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -96,4 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if result["wide_tiles"] and "float32" in result["weights"]:  # the choice applies to float32 panels only
         print(f"15-16 rows run as {result['wide_tiles']} tiles (rows x weight panels; the faster shape here, "
               "measured once by `auto`)")
+    if result["small_prefetch"] is not None:
+        print(f"1-4-row tiles {'prefetch' if result['small_prefetch'] else 'leave prefetching to the CPU'} (the "
+              "faster here for 1-2-token forwards, measured once by `auto`)")
     return 0

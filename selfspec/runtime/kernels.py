@@ -266,6 +266,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto", *, sizes: tuple[
         skinny.MAX_ROWS = _prefill_rows(model, remeasure)
         # and which tile shape computes 15-16 rows faster here (the same)
         skinny.set_wide_tiles(_wide_tiles(model, remeasure))
+        # and whether small tiles should prefetch their next tile's weights here (the same)
+        skinny.set_small_prefetch(_small_prefetch(model, remeasure))
     return backend
 
 
@@ -545,6 +547,33 @@ def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
     chosen = min(best, key=best.__getitem__)
     _record_choice(key, {"tiles": chosen, **cpu_signature(), "tokens": WIDE_TILE_PROBE,
                          "ms": {plan: round(1000 * t, 3) for plan, t in best.items()}})
+    return chosen
+
+
+#: the forwards ``auto`` times small tiles' prefetch at: a plain step and a 2-token tree (1-2 rows run as 1- and
+#: 2-row tiles; 3 rows on take 8-row tiles, which always prefetch)
+SMALL_PREFETCH_PROBE = (1, 2)
+
+
+def _small_prefetch(model: nn.Module, remeasure: bool = False) -> bool:
+    """Whether tiles of 1-4 rows software-prefetch here (``skinny.set_small_prefetch``): the setting under which
+    forwards of ``SMALL_PREFETCH_PROBE`` tokens over a 256-token cache cost less in total (best of five, interleaved;
+    the two give the same results), measured once per CPU, model and kernel build and kept beside the backend
+    choice. Each forward streams the whole model, so the weights arrive from memory as in decoding."""
+    key = _choice_key(model, SMALL_PREFETCH_PROBE) + "-small-prefetch"
+    entry = _recorded_choice(key, remeasure)
+    if entry is not None and isinstance(entry.get("prefetch"), bool):
+        return entry["prefetch"]
+    settings = {name: lambda on=on: skinny.set_small_prefetch(on) for name, on in (("off", False), ("on", True))}
+    try:
+        curves = time_forwards(model, settings, SMALL_PREFETCH_PROBE, rounds=5)
+    finally:
+        skinny.set_small_prefetch(skinny.SMALL_PREFETCH_DEFAULT)
+    total = {name: sum(curve.values()) for name, curve in curves.items()}
+    chosen = total["on"] < total["off"]
+    _record_choice(key, {"prefetch": chosen, **cpu_signature(), "tokens": list(SMALL_PREFETCH_PROBE),
+                         "ms": {name: {str(n): round(1000 * t, 3) for n, t in curve.items()}
+                                for name, curve in curves.items()}})
     return chosen
 
 

@@ -19,6 +19,7 @@ def test_json_has_the_documented_keys(capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result) >= {"cpu", "chosen", "ms", "stock_ms"} and result["cpu"] == cpu_model() != ""
     assert result["chosen"] == "onednn"
+    assert result["wide_tiles"] is None and result["small_prefetch"] is None  # skinny-kernel settings: not in effect
     assert set(result["ms"]) == set(result["stock_ms"]) == {"1", "2", "4"}  # 1 is always measured
     assert all(ms > 0 for ms in [*result["ms"].values(), *result["stock_ms"].values()])
     assert set(result["floor_ms"]) == {"1", "2", "4"} and result["read_gb_s"] > 0 and result["gflops"] > 0

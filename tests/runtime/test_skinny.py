@@ -770,6 +770,82 @@ def test_auto_picks_the_tile_shape_that_ran_faster_and_remembers_it(built, monke
     skinny.set_wide_tiles("16x1")
 
 
+def test_small_tiles_give_the_same_bits_with_and_without_prefetch(built):
+    """Tiles of 1-4 rows software-prefetch the next tile's weights or leave it to the CPU (a per-machine choice):
+    a prefetch moves no arithmetic, so every panel kind (float32, float16, the Q4_1 / Q8_0 grids) gives the same
+    bits either way, over several tiles and a remainder panel, on every thread count."""
+    gen = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(200, 96, generator=gen) * 0.05, torch.randn(200, generator=gen)
+    packs = {"float32": skinny.pack(weight), "float16": skinny.pack(weight, half=True),
+             "q4_1": skinny.pack_quantized(weight, "q4_1"), "q8_0": skinny.pack_quantized(weight, "q8_0")}
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 3, 4, 5):
+                x = torch.randn(rows, 96, generator=gen)
+                for kind, packed in packs.items():
+                    assert skinny.set_small_prefetch(False) is False
+                    plain = skinny.linear(x, packed, 200, bias)
+                    assert skinny.set_small_prefetch(True) is True and skinny.small_prefetch()
+                    assert torch.equal(skinny.linear(x, packed, 200, bias), plain), (kind, rows, n_threads)
+                    if kind == "float32":
+                        torch.testing.assert_close(plain, torch.nn.functional.linear(x, weight, bias), rtol=1e-5,
+                                                   atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+        skinny.set_small_prefetch(skinny.SMALL_PREFETCH_DEFAULT)
+    with pytest.raises(ValueError, match="True or False"):
+        skinny.set_small_prefetch(1)
+
+
+def test_small_tile_prefetch_starts_at_its_documented_default(built):
+    import subprocess
+    import sys
+
+    code = "from selfspec.runtime import skinny; print(skinny.small_prefetch(), skinny.SMALL_PREFETCH_DEFAULT)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1]  # the kernel's own initial setting is the documented one
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_auto_turns_small_tile_prefetch_on_only_where_it_ran_faster_and_remembers_it(built, monkeypatch, tmp_path,
+                                                                                      faster):
+    from selfspec.runtime.io import cache_home
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "skinny")
+    monkeypatch.setattr(kernels, "_prefill_rows", lambda *a, **k: skinny.DECODE_ROWS)
+    monkeypatch.setattr(kernels, "_wide_tiles", lambda *a, **k: "16x1")
+    model = tiny_model("llama", dtype=torch.float32)
+    clock = iter(range(10**6))
+    seen = []
+
+    def timed():  # the probe's forwards: the faster setting gets shorter times, whichever order they run in
+        setting = skinny.small_prefetch()
+        seen.append(setting)
+        return next(clock) * (1 if setting == faster else 100)
+
+    real = time.perf_counter
+    monkeypatch.setattr(kernels.time, "perf_counter", timed)
+    try:
+        assert set_linear_backend(model, "auto") == "skinny"
+    finally:
+        monkeypatch.setattr(kernels.time, "perf_counter", real)
+    try:
+        assert set(seen) == {False, True} and skinny.small_prefetch() is faster
+        entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
+        recorded = [e for k, e in entries.items() if k.endswith("-small-prefetch")]
+        assert [e["prefetch"] for e in recorded] == [faster]
+        assert set(recorded[0]["ms"]) == {"off", "on"} and recorded[0]["tokens"] == list(kernels.SMALL_PREFETCH_PROBE)
+        skinny.set_small_prefetch(not faster)
+        monkeypatch.setattr(kernels, "time_forwards", lambda *a, **k: pytest.fail("measured again"))
+        set_linear_backend(model, "auto")  # remembered: no probe, the recorded setting again
+        assert skinny.small_prefetch() is faster
+    finally:
+        skinny.set_small_prefetch(skinny.SMALL_PREFETCH_DEFAULT)
+
+
 def test_a_feature_drafter_built_before_the_backend_follows_its_attention(built, monkeypatch):
     """A drafter's layer copies the base's config when it is built; built before ``set_linear_backend``, it takes
     the base's attention on ``begin`` (the skinny kernel, so its steps run as one call) and back to SDPA when the

@@ -133,19 +133,35 @@ void rows(const float* x, int64_t n, int64_t K, const W* first, int64_t panel, f
                                   residual ? residual + r * M : nullptr);
 }
 
-// Software prefetch pays from tiles of this many rows on: below, a tile is bound by memory and the hardware
-// prefetcher keeps up (the extra requests cost ~10% at 2 rows); above, a tile computes long enough for the next
-// one's weights to arrive meanwhile (8 rows: 21 -> 18 ms for SmolLM2's linears on a 2-core AVX2 EPYC; 16: 32.5 -> 28).
+// Software prefetch always pays from tiles of this many rows on: a tile computes long enough for the next one's
+// weights to arrive meanwhile (8 rows: 21 -> 18 ms for SmolLM2's linears on a 2-core AVX2 EPYC; 16: 32.5 -> 28).
 constexpr int64_t kPrefetchRows = 5;
 
+// Below it, a tile is bound by memory, and whether the requests pay depends on the CPU's own prefetchers: on a
+// 2-core AVX2 EPYC the hardware kept up and the extra requests cost ~10% at 2 rows; on a 2-core Zen 5 EPYC, after a
+// step has streamed ~110 MB of other weights, a drafter's 5 MB head ran at ~10 GB/s for its first call and warmed up
+// over five (0.54, 0.31, 0.21, 0.14, 0.12 ms) even with its weights already swept into L3, and with the requests at
+// 0.28, 0.13, 0.12 ms; SmolLM2's 1-token forward went 11.3 -> 9.2 ms. (The ~10% loss is from an older kernel, and
+// may date from when it ran on one core.) So it is on by default and a per-machine choice (`set_small_prefetch`;
+// selfspec.runtime.kernels measures both once per machine). Prefetching never changes a result.
+std::atomic<int> g_small_prefetch{1};  // 1: tiles of fewer than kPrefetchRows rows prefetch too
+
 // Panels [begin, end) in groups of C (then one by one), each group against all n rows in tiles of Rows rows.
+template <int Rows, int C, bool Prefetch, typename W>
+void panels_with(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
+                 const float* residual, int64_t begin, int64_t end) {
+  int64_t p = begin;
+  for (; p + C <= end; p += C) rows<W, Rows, C, Prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
+  for (; p < end; ++p) rows<W, Rows, 1, Prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
+}
+
 template <int Rows, int C, typename W>
 void panels(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
             const float* residual, int64_t begin, int64_t end) {
-  constexpr bool prefetch = Rows >= kPrefetchRows;
-  int64_t p = begin;
-  for (; p + C <= end; p += C) rows<W, Rows, C, prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
-  for (; p < end; ++p) rows<W, Rows, 1, prefetch>(x, n, K, packed + p * K * kLanes, p, out, M, bias, residual);
+  if (Rows >= kPrefetchRows || g_small_prefetch.load(std::memory_order_relaxed) == 1)
+    panels_with<Rows, C, true>(x, n, K, packed, out, M, bias, residual, begin, end);
+  else
+    panels_with<Rows, C, false>(x, n, K, packed, out, M, bias, residual, begin, end);
 }
 
 // The tile shape for n rows. The weights are the traffic: each weight vector loaded is used by every row of its
@@ -312,10 +328,9 @@ inline void grid_tile_n(int64_t n, const float* x, int64_t K, const uint8_t* pac
   }
 }
 
-template <typename F, int Rows, int C>
-void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
-                 const float* bias, const float* residual, int64_t begin, int64_t end) {
-  constexpr bool prefetch = Rows >= kPrefetchRows;
+template <typename F, int Rows, int C, bool prefetch>
+void grid_panels_with(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
+                      const float* bias, const float* residual, int64_t begin, int64_t end) {
   auto group = [&](int64_t p, auto width) {
     constexpr int W = decltype(width)::value;
     int64_t r = 0;
@@ -328,6 +343,15 @@ void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, fl
   int64_t p = begin;
   for (; p + C <= end; p += C) group(p, std::integral_constant<int, C>{});
   for (; p < end; ++p) group(p, std::integral_constant<int, 1>{});
+}
+
+template <typename F, int Rows, int C>
+void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
+                 const float* bias, const float* residual, int64_t begin, int64_t end) {
+  if (Rows >= kPrefetchRows || g_small_prefetch.load(std::memory_order_relaxed) == 1)
+    grid_panels_with<F, Rows, C, true>(x, n, K, packed, out, M, bias, residual, begin, end);
+  else
+    grid_panels_with<F, Rows, C, false>(x, n, K, packed, out, M, bias, residual, begin, end);
 }
 
 // Rows past one grid tile against grid panels, rebuilt once. A grid tile rebuilds each weight vector for its own
@@ -399,6 +423,14 @@ void grid_dispatch(const float* x, int64_t n, int64_t K, const uint8_t* packed, 
 }  // namespace
 
 int64_t lanes() { return kLanes; }
+
+// Whether tiles of fewer than kPrefetchRows rows software-prefetch the next tile's weights (see `panels`): 0 or 1;
+// returns the setting in effect.
+int64_t set_small_prefetch(int64_t on) {
+  TORCH_CHECK(on == 0 || on == 1, "skinny set_small_prefetch: 0 (off) or 1 (on), got ", on);
+  g_small_prefetch.store(static_cast<int>(on));
+  return g_small_prefetch.load();
+}
 
 // The tile shape for 15-16 rows (see `dispatch`): 0 = 16 x 1, 1 = 12 x 2; a no-op without AVX-512 (returns the
 // plan in effect, always 0 there).
@@ -1241,6 +1273,9 @@ double fma_peak_gflops(int64_t iterations) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "floats per panel (the vector width the kernel was built for)");
   m.def("wide_tiles", []() { return static_cast<int64_t>(g_wide_tiles.load()); }, "the tile shape for 15-16 rows");
+  m.def("small_prefetch", []() { return static_cast<int64_t>(g_small_prefetch.load()); },
+        "whether tiles of 1-4 rows prefetch the next tile's weights");
+  m.def("set_small_prefetch", &set_small_prefetch, "0 / 1: tiles of 1-4 rows prefetch too; returns the setting");
   m.def("set_wide_tiles", &set_wide_tiles, "tile shape for 15-16 rows: 0 = 16 x 1, 1 = 12 x 2; returns the one in effect");
   m.def("parallel_threads", &parallel_threads, "threads a parallel region of this module runs on");
   m.def("pack", &pack, "weight [M, K] -> panels [ceil(M / lanes), K, lanes] (float16 with half=True)",
