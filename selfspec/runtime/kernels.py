@@ -505,17 +505,16 @@ def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
         return entry["rows"]
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, PREFILL_PROBE), generator=torch.Generator().manual_seed(0))
-    best = {rows: float("inf") for rows in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS)}
+
+    def prefill(_) -> float:
+        cache = new_cache(model, PREFILL_PROBE + 8)  # untimed
+        return seconds(lambda: model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1))
+
     previous = skinny.MAX_ROWS
     try:
         with torch.inference_mode():
-            for _ in range(3):
-                for rows in best:
-                    skinny.MAX_ROWS = rows
-                    cache = new_cache(model, PREFILL_PROBE + 8)
-                    start = time.perf_counter()
-                    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-                    best[rows] = min(best[rows], time.perf_counter() - start)
+            best = best_of({rows: lambda rows=rows: setattr(skinny, "MAX_ROWS", rows)
+                            for rows in (skinny.DECODE_ROWS, skinny.PREFILL_ROWS)}, prefill)
     finally:
         skinny.MAX_ROWS = previous
     chosen = min(best, key=best.__getitem__)
@@ -602,18 +601,14 @@ def batch_backend(model: nn.Module, remeasure: bool = False) -> str:
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, BATCH_PROBE, generator=torch.Generator().manual_seed(0))
     previous = linear_backend_of(model)
-    best = {"stock": float("inf"), "onednn": float("inf")}
+    backends = {backend: lambda backend=backend: set_linear_backend(model, backend) for backend in ("stock", "onednn")}
+    decoder = model.get_decoder()
     try:
         with torch.inference_mode():
-            for backend in best:  # warm-up: first calls pack weights and pick primitives
-                set_linear_backend(model, backend)
-                model.get_decoder()(input_ids=ids[:1, :16], use_cache=False)
-            for _ in range(3):
-                for backend in best:
-                    set_linear_backend(model, backend)
-                    start = time.perf_counter()
-                    model.get_decoder()(input_ids=ids, use_cache=False)
-                    best[backend] = min(best[backend], time.perf_counter() - start)
+            for switch in backends.values():  # warm-up: first calls pack weights and pick primitives
+                switch()
+                decoder(input_ids=ids[:1, :16], use_cache=False)
+            best = best_of(backends, lambda _: seconds(lambda: decoder(input_ids=ids, use_cache=False)))
     finally:
         set_linear_backend(model, previous)
     chosen = min(best, key=best.__getitem__)
@@ -647,13 +642,33 @@ def time_forwards(model: nn.Module, settings: dict[str, Callable[[], object]], s
     ids = torch.randint(0, vocab, (1, prefix + max(sizes)), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model, prefix + max(sizes))
     model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
-    best: dict[str, dict[int, float]] = {name: {n: float("inf") for n in sizes} for name in settings}
+
+    def forward(key: tuple[str, int]) -> float:
+        n = key[1]
+        try:
+            return seconds(lambda: model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True))
+        finally:
+            crop(cache, prefix)
+
+    best = best_of({(name, n): switch for name, switch in settings.items() for n in sizes}, forward, rounds)
+    return {name: {n: best[(name, n)] for n in sizes} for name in settings}
+
+
+def seconds(call: Callable[[], object]) -> float:
+    """How long ``call()`` took, by the wall clock."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def best_of(settings: dict, run: Callable[[object], float], rounds: int = 3) -> dict:
+    """``{key: seconds}``: the least of ``rounds`` results of ``run(key)`` (the seconds its work took; any setup
+    it needs left untimed) under each setting, ``settings[key]()`` switching it on, the settings interleaved round
+    by round: one slow moment of a busy machine decides nothing, and a drift in its speed falls on every setting
+    alike. Every probe of ``auto`` times with it (backends, tile shapes, prefetch, prefill rows, batch GEMMs)."""
+    best = dict.fromkeys(settings, float("inf"))
     for _ in range(rounds):
-        for name, switch in settings.items():
+        for key, switch in settings.items():
             switch()
-            for n in sizes:
-                start = time.perf_counter()
-                model(input_ids=ids[:, prefix:prefix + n], cache=cache, use_cache=True)
-                best[name][n] = min(best[name][n], time.perf_counter() - start)
-                crop(cache, prefix)
+            best[key] = min(best[key], run(key))
     return best

@@ -100,6 +100,23 @@ def test_dense_pointwise_kernel_equals_the_converting_one(rows, monkeypatch):
     torch.testing.assert_close(dense, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+def test_best_of_interleaves_the_settings_and_keeps_each_ones_fastest_round():
+    import selfspec.runtime.kernels as K
+
+    events, state = [], {}
+    times = {("a", 1): [3.0, 1.0, 2.0], ("b", 1): [0.5, 4.0, 6.0]}
+
+    def run(key):
+        assert state["on"] == key  # each run happens under its own setting
+        events.append(key)
+        return times[key].pop(0)
+
+    switches = {key: (lambda key=key: state.__setitem__("on", key)) for key in times}
+    assert K.best_of(switches, run, rounds=3) == {("a", 1): 1.0, ("b", 1): 0.5}
+    assert events == [("a", 1), ("b", 1)] * 3  # round by round, not one setting's rounds in a row
+    assert K.seconds(lambda: None) >= 0.0
+
+
 def test_auto_measures_the_step_sizes_once_per_machine_and_keeps_the_curve(tmp_path, monkeypatch):
     import json
 
