@@ -91,17 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if set_linear_backend(model, "skinny") != "skinny":
         sys.exit("the skinny backend is not available here")
     spent = dict.fromkeys(PARTS, 0.0)
-    skinny._module = _Clocked(skinny.extension(), spent)
+    clocked = skinny._module = _Clocked(skinny.extension(), spent)
     stack_call = skinny.decoder_stack  # the whole-stack call runs on an extension object, not through _module
-
-    def clocked_stack(*stack_args):
-        start = time.perf_counter()
-        try:
-            return stack_call(*stack_args)
-        finally:
-            spent["stack"] += time.perf_counter() - start
-
-    skinny.decoder_stack = clocked_stack
+    skinny.decoder_stack = lambda *stack_args: clocked._timed("stack", stack_call, *stack_args)
     for layer in decoder_layers(model):
         _clock_calls(layer, "layers", spent)
     _clock_calls(model.get_output_embeddings(), "head", spent)

@@ -642,6 +642,27 @@ def test_early_exit_attention_adapter_runs_one_lean_pass_equal_to_its_modules(bu
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def auto_with_clock(monkeypatch, model, setting, wins) -> list:
+    """``set_linear_backend(model, "auto")`` (asserted to pick skinny) with ``kernels``' clock replaced: a probe's
+    forward run while ``wins(setting())`` takes one tick, any other a hundred, whichever order they run in. Returns
+    ``setting()`` at every clock reading."""
+    clock = iter(range(10**6))
+    seen = []
+
+    def timed():
+        current = setting()
+        seen.append(current)
+        return next(clock) * (1 if wins(current) else 100)
+
+    real = time.perf_counter
+    monkeypatch.setattr(kernels.time, "perf_counter", timed)
+    try:
+        assert set_linear_backend(model, "auto") == "skinny"
+    finally:
+        monkeypatch.setattr(kernels.time, "perf_counter", real)
+    return seen
+
+
 @pytest.mark.parametrize("faster", ["skinny", "stock"])
 def test_auto_lets_the_kernel_take_prefills_where_it_measured_faster(built, monkeypatch, tmp_path, faster):
     from selfspec.runtime.io import cache_home
@@ -649,18 +670,8 @@ def test_auto_lets_the_kernel_take_prefills_where_it_measured_faster(built, monk
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "skinny")  # what auto picks for decoding
     model = tiny_model("llama", dtype=torch.float32)
-    clock = iter(range(10**6))
-    seen = []
-
-    def timed():  # the probe's forwards: the faster side gets shorter times, whichever order they run in
-        seen.append(skinny.MAX_ROWS)
-        wins = (skinny.MAX_ROWS == skinny.PREFILL_ROWS) == (faster == "skinny")
-        return next(clock) * (1 if wins else 100)
-
-    real = time.perf_counter
-    monkeypatch.setattr(kernels.time, "perf_counter", timed)
-    assert set_linear_backend(model, "auto") == "skinny"
-    monkeypatch.setattr(kernels.time, "perf_counter", real)
+    seen = auto_with_clock(monkeypatch, model, lambda: skinny.MAX_ROWS,
+                           lambda rows: (rows == skinny.PREFILL_ROWS) == (faster == "skinny"))
     expected = skinny.PREFILL_ROWS if faster == "skinny" else skinny.DECODE_ROWS
     assert skinny.MAX_ROWS == expected and set(seen) == {skinny.DECODE_ROWS, skinny.PREFILL_ROWS}
     entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
@@ -747,20 +758,7 @@ def test_auto_picks_the_tile_shape_that_ran_faster_and_remembers_it(built, monke
     monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "skinny")
     monkeypatch.setattr(kernels, "_prefill_rows", lambda *a, **k: skinny.DECODE_ROWS)
     model = tiny_model("llama", dtype=torch.float32)
-    clock = iter(range(10**6))
-    shapes = []
-
-    def timed():  # the probe's forwards: the faster shape gets shorter times, whichever order they run in
-        shape = skinny.wide_tiles()
-        shapes.append(shape)
-        return next(clock) * (1 if shape == faster else 100)
-
-    real = time.perf_counter
-    monkeypatch.setattr(kernels.time, "perf_counter", timed)
-    try:
-        assert set_linear_backend(model, "auto") == "skinny"
-    finally:
-        monkeypatch.setattr(kernels.time, "perf_counter", real)
+    shapes = auto_with_clock(monkeypatch, model, skinny.wide_tiles, lambda shape: shape == faster)
     assert set(shapes) == set(skinny.WIDE_TILES) and skinny.wide_tiles() == faster
     entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
     assert [e["tiles"] for k, e in entries.items() if k.endswith("-wide-tiles")] == [faster]
@@ -818,21 +816,8 @@ def test_auto_turns_small_tile_prefetch_on_only_where_it_ran_faster_and_remember
     monkeypatch.setattr(kernels, "_prefill_rows", lambda *a, **k: skinny.DECODE_ROWS)
     monkeypatch.setattr(kernels, "_wide_tiles", lambda *a, **k: "16x1")
     model = tiny_model("llama", dtype=torch.float32)
-    clock = iter(range(10**6))
-    seen = []
-
-    def timed():  # the probe's forwards: the faster setting gets shorter times, whichever order they run in
-        setting = skinny.small_prefetch()
-        seen.append(setting)
-        return next(clock) * (1 if setting == faster else 100)
-
-    real = time.perf_counter
-    monkeypatch.setattr(kernels.time, "perf_counter", timed)
     try:
-        assert set_linear_backend(model, "auto") == "skinny"
-    finally:
-        monkeypatch.setattr(kernels.time, "perf_counter", real)
-    try:
+        seen = auto_with_clock(monkeypatch, model, skinny.small_prefetch, lambda on: on == faster)
         assert set(seen) == {False, True} and skinny.small_prefetch() is faster
         entries = json.loads((cache_home() / "kernels" / "backend-choices.json").read_text())
         recorded = [e for k, e in entries.items() if k.endswith("-small-prefetch")]

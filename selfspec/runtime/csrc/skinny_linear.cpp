@@ -146,6 +146,12 @@ constexpr int64_t kPrefetchRows = 5;
 // selfspec.runtime.kernels measures both once per machine). Prefetching never changes a result.
 std::atomic<int> g_small_prefetch{1};  // 1: tiles of fewer than kPrefetchRows rows prefetch too
 
+// Whether tiles of Rows rows prefetch now: always from kPrefetchRows on, below it as `set_small_prefetch` says.
+template <int Rows>
+inline bool prefetching() {
+  return Rows >= kPrefetchRows || g_small_prefetch.load(std::memory_order_relaxed) == 1;
+}
+
 // Panels [begin, end) in groups of C (then one by one), each group against all n rows in tiles of Rows rows.
 template <int Rows, int C, bool Prefetch, typename W>
 void panels_with(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
@@ -158,7 +164,7 @@ void panels_with(const float* x, int64_t n, int64_t K, const W* packed, float* o
 template <int Rows, int C, typename W>
 void panels(const float* x, int64_t n, int64_t K, const W* packed, float* out, int64_t M, const float* bias,
             const float* residual, int64_t begin, int64_t end) {
-  if (Rows >= kPrefetchRows || g_small_prefetch.load(std::memory_order_relaxed) == 1)
+  if (prefetching<Rows>())
     panels_with<Rows, C, true>(x, n, K, packed, out, M, bias, residual, begin, end);
   else
     panels_with<Rows, C, false>(x, n, K, packed, out, M, bias, residual, begin, end);
@@ -348,7 +354,7 @@ void grid_panels_with(const float* x, int64_t n, int64_t K, const uint8_t* packe
 template <typename F, int Rows, int C>
 void grid_panels(const float* x, int64_t n, int64_t K, const uint8_t* packed, float* out, int64_t M,
                  const float* bias, const float* residual, int64_t begin, int64_t end) {
-  if (Rows >= kPrefetchRows || g_small_prefetch.load(std::memory_order_relaxed) == 1)
+  if (prefetching<Rows>())
     grid_panels_with<F, Rows, C, true>(x, n, K, packed, out, M, bias, residual, begin, end);
   else
     grid_panels_with<F, Rows, C, false>(x, n, K, packed, out, M, bias, residual, begin, end);
