@@ -55,6 +55,11 @@ SPECULATORS_MODEL_TYPE = "eagle3"
 EXPORTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def draft_width(draft: EagleDraftModel) -> int:
+    """The draft layer's MLP width: its own (``EagleConfig.intermediate_size``), else the base's."""
+    return draft.config.intermediate_size or draft.base_model.config.intermediate_size
+
+
 def _layer_state(draft: EagleDraftModel) -> dict[str, torch.Tensor]:
     state = {f"layers.0.{k}": v for k, v in draft.layer.state_dict().items()}
     state["layers.0.hidden_norm.weight"] = draft.hidden_norm.weight
@@ -78,6 +83,7 @@ def speculators_config(draft: EagleDraftModel, verifier: str | None = None) -> d
     base = draft.base_model
     layer_config = base.config.to_diff_dict() if hasattr(base.config, "to_diff_dict") else base.config.to_dict()
     layer_config = {**layer_config, "num_hidden_layers": 1, "model_type": base.config.model_type,
+                    "intermediate_size": draft_width(draft),
                     "architectures": ["LlamaForCausalLM"] if base.config.model_type == "llama"
                     else layer_config.get("architectures")}
     identity = draft.config.base_model or base_model_identity(base)
@@ -184,9 +190,13 @@ def _draft_from_state(state: dict[str, torch.Tensor], layer_prefix: str, aux: li
     if aux is None:
         from eagle.model import default_aux_layers
         aux = list(default_aux_layers(base_model.config.num_hidden_layers))
+    down = state.get(f"{layer_prefix}mlp.down_proj.weight")
+    width = None  # the draft layer's MLP width, where it is not the base's (read off the weights)
+    if down is not None and down.dim() == 2 and down.shape[1] != base_model.config.intermediate_size:
+        width = int(down.shape[1])
     ours = EagleConfig(hidden_size=base_model.config.hidden_size, vocab_size=base_model.config.vocab_size,
                        draft_vocab_size=int(draft_vocab_size), aux_layers=aux, share_lm_head=False,
-                       base_model=base_model_identity(base_model), **policies)
+                       base_model=base_model_identity(base_model), intermediate_size=width, **policies)
     draft = EagleDraftModel(ours, base_model, vocab)
     missing = [k for k in ("fc.weight", "norm.weight", "lm_head.weight", f"{layer_prefix}hidden_norm.weight")
                if k not in state]
@@ -260,7 +270,7 @@ def eagle3_config(draft: EagleDraftModel, dtype: torch.dtype = EAGLE3_DEFAULT_DT
         "architectures": [EAGLE3_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": base.intermediate_size,
+        "intermediate_size": draft_width(draft),
         "num_attention_heads": base.num_attention_heads,
         "num_key_value_heads": base.num_key_value_heads,
         "head_dim": getattr(base, "head_dim", None) or hidden // base.num_attention_heads,

@@ -19,8 +19,9 @@ paths give the same numbers. The unroll attends through ``ttt_attention``, which
 than ``j + 1`` times its attention.
 
 The layer is the base model's own decoder-layer class built from its config, with q/k/v widened to ``2 * hidden``
-inputs; the embedding table (and, with ``share_lm_head``, the LM-head rows of the draft vocabulary) are the base's,
-read at run time and never saved. Supported: decoders whose layers have ``self_attn.{q,k,v}_proj``,
+inputs, and its MLP as wide as ``EagleConfig.intermediate_size`` says (default: the base's); the embedding table
+(and, with ``share_lm_head``, the LM-head rows of the draft vocabulary) are the base's, read at run time and never
+saved. Supported: decoders whose layers have ``self_attn.{q,k,v}_proj``,
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen2/3, Mistral, Gemma), and Gemma 3's
 "sandwich" layers, which also normalise the attention's output (``post_attention_layernorm``) and the MLP's input
 and output (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``): there the draft layer applies them as its
@@ -78,6 +79,9 @@ class EagleConfig:
     draft_vocab_size: int
     aux_layers: list[int]  # output_hidden_states indices fused by fc
     share_lm_head: bool = True  # LM-head rows of the base (not saved) instead of a trained draft head
+    #: the draft layer's MLP width (None: the base's); wider buys capacity at the cost of a few draft microseconds
+    #: (``eagle.recipe.grow_mlp`` widens a trained drafter without changing what it computes)
+    intermediate_size: int | None = None
     base_model: dict = dataclasses.field(default_factory=dict)  # selfspec.runtime.identity of the base
     decoding: dict = dataclasses.field(default_factory=dict)  # default drafting policy (depth, top_k, width, nodes)
     #: drafting calibrated per kind of machine (``selfspec.runtime.kernels.machine_class``): ``{class: {"policy":
@@ -97,6 +101,11 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"eagle config: draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
                              f"{self.vocab_size}]")
+        if self.intermediate_size is not None and (isinstance(self.intermediate_size, bool)
+                                                   or not isinstance(self.intermediate_size, int)
+                                                   or self.intermediate_size < 1):
+            raise ValueError(f"eagle config: intermediate_size must be an integer >= 1 or null (the base's), got "
+                             f"{self.intermediate_size!r}")
         by_machine.check_entries(self.decoding_by_machine, "eagle config: decoding_by_machine")
 
     def policy_for(self, machine: str) -> tuple[dict, str]:
@@ -252,6 +261,8 @@ class EagleDraftModel(nn.Module):
         if getattr(layer_config, "layer_types", None):
             # one layer, attending to its whole context (a window-free layer of a base that mixes both kinds)
             layer_config.layer_types = ["full_attention"] * len(layer_config.layer_types)
+        if config.intermediate_size is not None:
+            layer_config.intermediate_size = config.intermediate_size
         template = decoder_layers(base_model)[0]
         self.layer = type(template)(layer_config, layer_idx=0)
         attn = self.layer.self_attn
@@ -499,6 +510,10 @@ class EagleDraftModel(nn.Module):
 
 
 # ---------------------------------------------------------------- saving and loading
+def _width_note(config: EagleConfig) -> str:
+    return f"an MLP {config.intermediate_size} wide; " if config.intermediate_size else ""
+
+
 def render_card(config: EagleConfig) -> str:
     """The README written beside a saved drafter: what it is, how it was made, how good it is per depth."""
     base = config.base_model or {}
@@ -512,6 +527,7 @@ def render_card(config: EagleConfig) -> str:
              f"One decoder layer of the base's own class over the fused hidden states of base layers "
              f"{config.aux_layers} (output_hidden_states indexing) and the next token's embedding; draft vocabulary "
              f"of {config.draft_vocab_size} of {config.vocab_size} tokens; "
+             f"{_width_note(config)}"
              f"{'LM-head rows shared with the base (not stored here)' if config.share_lm_head else 'its own LM head'}.",
              "", "    selfspec generate --draft eagle --heads THIS_DIR --prompt '...'", ""]
     if config.accuracy:

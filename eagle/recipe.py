@@ -33,8 +33,16 @@ class DraftConfig:
     draft_vocab_size: int | None = None  # the N most frequent trained tokens (None: the whole vocabulary); with
     # init_from, a larger N than the saved one extends it (extended_vocab), anything else keeps it
     share_lm_head: bool = True  # base LM-head rows (frozen, not saved); False: a trained draft head (EAGLE-3)
+    # the draft layer's MLP width (None: the base's); with init_from, a wider one than the saved drafter's grows it
+    # (grow_mlp: the new units start silent, so training starts from exactly what was saved)
+    intermediate_size: int | None = None
 
     def __post_init__(self):
+        if self.intermediate_size is not None and (isinstance(self.intermediate_size, bool)
+                                                   or not isinstance(self.intermediate_size, int)
+                                                   or self.intermediate_size < 1):
+            raise ValueError(f"draft.intermediate_size must be an integer >= 1 or null (the base's), got "
+                             f"{self.intermediate_size!r}")
         if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool)
                                                   or not isinstance(self.draft_vocab_size, int)
                                                   or self.draft_vocab_size < 1):
@@ -76,8 +84,8 @@ class EagleRecipeConfig:
     hidden_cache_dtype: str = "float32"
     teacher_chunk_size: int = 1024  # positions per full-vocabulary teacher softmax
     # A saved drafter to start from: its fused layers, draft vocabulary and weights are kept (of draft.*, only a
-    # draft_vocab_size larger than the saved one is used: it extends the vocabulary); e.g. to go on training a
-    # drafter on more data.
+    # draft_vocab_size larger than the saved one extends the vocabulary, and an intermediate_size larger than the
+    # saved one widens the MLP); e.g. to go on training a drafter on more data, or with more capacity.
     init_from: str | None = None
     draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
     decoding: DecodingDefaults = dataclasses.field(default_factory=DecodingDefaults)
@@ -115,11 +123,38 @@ def extended_vocab(saved: torch.Tensor, examples: list[dict], size: int, vocab_s
     return torch.cat([saved, torch.tensor(ranked[:size - len(saved)], dtype=torch.long)]).sort().values
 
 
+def grow_mlp(draft: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a saved drafter's) with its draft layer's MLP widened to ``draft``'s: every MLP weight whose
+    intermediate dimension grew keeps the saved entries first; the new units' input rows (and biases) are ``draft``'s
+    fresh initialisation, and their output columns are zero, so the widened layer computes exactly what the saved one
+    did and training grows the new units from there (a function-preserving widening, Chen et al.'s Net2Net with
+    silent units). Any MLP whose hidden activation is elementwise (SwiGLU, GeGLU, plain) is widened this way.
+
+    Raises:
+        ValueError: ``draft``'s MLP is narrower than the saved one (a width can grow, not shrink).
+    """
+    current = draft.state_dict()
+    grown = dict(state)
+    for name, saved in state.items():
+        if not name.startswith("layer.mlp.") or name not in current or current[name].shape == saved.shape:
+            continue
+        target = current[name].detach().clone()
+        if any(s > t for s, t in zip(saved.shape, target.shape)):
+            raise ValueError(f"init_from's {name} is {tuple(saved.shape)}, wider than this drafter's "
+                             f"{tuple(target.shape)}: draft.intermediate_size can grow a saved drafter's MLP, not "
+                             "shrink it")
+        if saved.dim() == 2 and saved.shape[1] < target.shape[1]:  # the output projection: new columns silent
+            target[:, saved.shape[1]:] = 0
+        target[tuple(slice(0, n) for n in saved.shape)] = saved.to(target.dtype)
+        grown[name] = target
+    return grown
+
+
 def load_extended(draft: nn.Module, saved: nn.Module) -> None:
     """Load ``saved``'s weights into ``draft``, whose draft vocabulary may extend the saved one
-    (``extended_vocab``): a trained draft head keeps the saved rows of the ids both have, and the new ids start
-    from the base LM-head rows as a fresh drafter's do."""
-    state = saved.state_dict()
+    (``extended_vocab``) and whose MLP may be wider (``grow_mlp``): a trained draft head keeps the saved rows of
+    the ids both have, and the new ids start from the base LM-head rows as a fresh drafter's do."""
+    state = grow_mlp(draft, saved.state_dict())
     new_ids = draft.draft_vocab
     if torch.equal(state["draft_vocab"].cpu(), new_ids.cpu()):
         draft.load_state_dict(state)
@@ -163,7 +198,8 @@ class EagleRecipe(T.Recipe):
         config = EagleConfig(hidden_size=base_config.hidden_size, vocab_size=vocab,
                              draft_vocab_size=cfg.draft.draft_vocab_size or vocab, aux_layers=aux,
                              share_lm_head=cfg.draft.share_lm_head, base_model=base_model_identity(self.base),
-                             decoding=dataclasses.asdict(cfg.decoding))
+                             decoding=dataclasses.asdict(cfg.decoding),
+                             intermediate_size=cfg.draft.intermediate_size)
         torch.manual_seed(cfg.seed)
         draft_vocab = None
         if cfg.init_from is not None:
@@ -176,8 +212,10 @@ class EagleRecipe(T.Recipe):
                 self.accelerator.print(f"eagle: init_from's trees calibrated per kind of machine "
                                        f"({', '.join(sorted(saved.config.decoding_by_machine))}) are dropped: they "
                                        "were chosen for its weights; `selfspec calibrate` the new drafter")
+            # a wider MLP than the saved one is grown by load_extended (grow_mlp); a narrower one is refused there
+            width = cfg.draft.intermediate_size or saved.config.intermediate_size
             config = dataclasses.replace(saved.config, decoding=config.decoding, base_model=config.base_model,
-                                         draft_vocab_size=size, decoding_by_machine={})
+                                         draft_vocab_size=size, decoding_by_machine={}, intermediate_size=width)
             aux = list(config.aux_layers)
             draft_vocab = extended_vocab(saved.draft_vocab, self.train_examples, size, vocab) if size < vocab else None
         elif config.draft_vocab_size < vocab:

@@ -231,9 +231,10 @@ def hf_greedy_continuations(model, tokenizer, texts, max_new_tokens: int) -> dic
 
 
 def eagle_draft(model, seed: int = 0, draft_vocab_size: int | None = None, share_lm_head: bool = True,
-                aux_layers=None, scale: float = 0.3):
+                aux_layers=None, scale: float = 0.3, intermediate_size: int | None = None):
     """An EAGLE-3 draft model for ``model`` with random, nonzero weights (deterministic in ``seed``); with a
-    draft vocabulary, a random subset of the base vocabulary (so draft column != token id)."""
+    draft vocabulary, a random subset of the base vocabulary (so draft column != token id); ``intermediate_size``:
+    the draft layer's MLP width (None: the base's)."""
     from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers
     from selfspec.runtime.identity import base_model_identity
     from selfspec.runtime.layers import num_decoder_layers
@@ -244,7 +245,8 @@ def eagle_draft(model, seed: int = 0, draft_vocab_size: int | None = None, share
     ids = torch.randperm(vocab, generator=gen)[:size].sort().values if size < vocab else torch.arange(vocab)
     config = EagleConfig(hidden_size=model.config.hidden_size, vocab_size=vocab, draft_vocab_size=size,
                          aux_layers=list(aux_layers or default_aux_layers(num_decoder_layers(model))),
-                         share_lm_head=share_lm_head, base_model=base_model_identity(model))
+                         share_lm_head=share_lm_head, base_model=base_model_identity(model),
+                         intermediate_size=intermediate_size)
     draft = EagleDraftModel(config, model, ids)
     with torch.no_grad():
         for name, p in draft.named_parameters():

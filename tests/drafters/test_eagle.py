@@ -703,3 +703,54 @@ def test_a_gemma3_drafter_saves_and_loads_but_exports_to_neither_llama_layer_for
     with pytest.raises(ValueError, match="gemma3_text"):
         export_eagle3(loaded, tmp_path / "e3")
     assert not (tmp_path / "spec").exists() and not (tmp_path / "e3").exists()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_wider_mlp_drafts_losslessly_and_trains_as_it_decodes(arch, tmp_path):
+    """A draft layer whose MLP is wider than the base's (``EagleConfig.intermediate_size``): training-time test
+    computes what decoding computes, greedy output equals generate, and it saves and loads at its own width."""
+    model = base(arch)
+    width = 3 * model.config.intermediate_size
+    draft = eagle_draft(model, seed=11, draft_vocab_size=60, intermediate_size=width)
+    assert draft.layer.mlp.down_proj.in_features == width and draft.config.intermediate_size == width
+    ids = random_prompt(7, seed=2)
+    aux = aux_states(model, ids, draft.config.aux_layers)
+    with torch.no_grad():
+        unrolled = draft.unroll(aux, ids, torch.ones_like(ids), 2)
+        cache = DraftCache()
+        first = draft.step(draft.fuse(aux), torch.cat([ids[:, 1:], ids[:, :1]], 1), torch.arange(7)[None],
+                           torch.ones(7, 7, dtype=torch.bool).tril()[None, None], cache)
+    torch.testing.assert_close(first[:, :-1], unrolled[0][:, :-1], rtol=1e-4, atol=1e-4)
+    drafter = EagleDrafter(model, draft, POLICIES["small"])
+    for n, new in ((1, 9), (23, 17)):
+        prompt = random_prompt(n, seed=n)
+        assert torch.equal(generate(model, drafter, prompt, max_new_tokens=new).sequences,
+                           greedy_reference(model, prompt, new)), (arch, n)
+    save_pretrained(draft, tmp_path / "wide")
+    back = from_pretrained(tmp_path / "wide", model)
+    assert back.config.intermediate_size == width
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), back.state_dict().values()))
+
+
+def test_a_wider_mlp_exports_its_width_and_every_format_imports_it_back(llama, tmp_path):
+    from eagle.export import export_eagle3, export_speculators, load_drafter
+
+    width = 5 * llama.config.intermediate_size // 2
+    draft = eagle_draft(llama, seed=12, draft_vocab_size=40, aux_layers=[1, 2, 3], intermediate_size=width)
+    export_speculators(draft, tmp_path / "spec")
+    export_eagle3(draft, tmp_path / "sg", dtype=torch.float32)
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["transformer_layer_config"][
+        "intermediate_size"] == width
+    assert json.loads((tmp_path / "sg" / "config.json").read_text())["intermediate_size"] == width
+    ids = random_prompt(9, seed=6)
+    aux = aux_states(llama, ids, [1, 2, 3])
+    for d in ("spec", "sg"):
+        back = load_drafter(tmp_path / d, llama)
+        assert back.config.intermediate_size == width
+        with torch.no_grad():
+            for a, b in zip(draft.unroll(aux, ids, torch.ones_like(ids), 2),
+                            back.unroll(aux, ids, torch.ones_like(ids), 2)):
+                torch.testing.assert_close(draft.logits(a), back.logits(b))
+    narrow = eagle_draft(llama, seed=12, draft_vocab_size=40, aux_layers=[1, 2, 3])
+    export_speculators(narrow, tmp_path / "plain")
+    assert load_drafter(tmp_path / "plain", llama).config.intermediate_size is None  # the base's width: not stated

@@ -483,13 +483,15 @@ def test_drafters_draft_on_float16_or_grid_weights_and_stay_lossless(built, draf
         assert all(module_backend(m) == "skinny" for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monkeypatch):
+@pytest.mark.parametrize("width", [None, 3 * 64], ids=["base-width", "wider-mlp"])
+def test_feature_drafter_step_runs_one_lean_pass_equal_to_its_layer(built, monkeypatch, width):
     from eagle.model import DraftCache
     from selfspec.runtime import lean
     from selfspec.testing import eagle_draft
 
     model = tiny_model("llama", dtype=torch.float32)
-    draft = eagle_draft(model, seed=3, draft_vocab_size=60)
+    draft = eagle_draft(model, seed=3, draft_vocab_size=60, intermediate_size=width)
+    assert draft.layer.mlp.down_proj.in_features == (width or model.config.intermediate_size)
     hidden = model.config.hidden_size
     gen = torch.Generator().manual_seed(0)
     features, ids = torch.randn(1, 5, hidden, generator=gen), torch.randint(0, 60, (1, 5), generator=gen)

@@ -445,3 +445,39 @@ def test_group_by_length_reaches_the_recipes_batches(tmp_path):
     for step in range(r.steps_per_epoch):
         assert r._step_batches(step) == step_batches(len(r.train_examples), step, r.steps_per_epoch, r.cfg.optim,
                                                      r.accelerator, r.cfg.seed, r.example_lengths)
+
+
+def test_init_from_grows_the_mlp_without_changing_what_the_drafter_computes(tmp_path):
+    """A wider draft.intermediate_size with init_from widens the saved draft layer's MLP: before any step the grown
+    drafter's loss is the saved one's (the new units are silent), the width is saved in its config, it trains, and
+    a narrower width than the saved one is refused."""
+    from eagle.model import from_pretrained
+
+    data = repetitive_conversations(tmp_path / "d.jsonl", 12)
+    first = build(args(tmp_path, data, "optim.max_steps=3", "optim.lr=0.01"))
+    first.train()
+    first.save_heads(first.evaluate())
+    saved = tmp_path / "run" / "heads"
+    narrow = first.model.layer.mlp.down_proj.in_features
+    common = ["--config", str(TINY), f"output_dir={tmp_path / 'wide'}", f"data.source={data}", "data.eval_samples=2",
+              "optim.max_steps=2", "optim.lr=0.01", f"init_from={saved}"]
+    wide = build(common + [f"draft.intermediate_size={3 * narrow}"])
+    mlp = wide.model.layer.mlp
+    assert mlp.down_proj.in_features == mlp.gate_proj.out_features == 3 * narrow
+    assert torch.count_nonzero(mlp.down_proj.weight[:, narrow:]) == 0
+    assert torch.count_nonzero(mlp.gate_proj.weight[narrow:]) > 0  # the new units' inputs are initialised
+    batch = first.make_batch([0, 1])
+    before, _ = first.loss(batch, first.counts(batch))
+    after, _ = wide.loss(batch, wide.counts(batch))
+    assert float(after.detach()) == pytest.approx(float(before.detach()), rel=1e-5)
+    wide.train()
+    wide.save_heads(wide.evaluate())
+    grown = from_pretrained(tmp_path / "wide" / "heads", first.base)
+    assert grown.config.intermediate_size == 3 * narrow and grown.layer.mlp.up_proj.out_features == 3 * narrow
+    assert torch.count_nonzero(grown.layer.mlp.down_proj.weight[:, narrow:]) > 0  # the new units trained
+    with pytest.raises(ValueError, match="not shrink it"):
+        build(["--config", str(TINY), f"output_dir={tmp_path / 'narrow'}", f"data.source={data}",
+               "data.eval_samples=2", "optim.max_steps=1", f"init_from={tmp_path / 'wide' / 'heads'}",
+               f"draft.intermediate_size={narrow}"])
+    with pytest.raises(ValueError, match="intermediate_size must be an integer"):
+        build(common + ["draft.intermediate_size=0"])
