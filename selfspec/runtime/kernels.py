@@ -527,26 +527,38 @@ def _prefill_rows(model: nn.Module, remeasure: bool = False) -> int:
 WIDE_TILE_PROBE = 16
 
 
-def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
-    """The tile shape (``skinny.WIDE_TILES``) under which a ``WIDE_TILE_PROBE``-token forward of ``model`` over a
-    256-token cache ran faster (best of five, interleaved; the two give the same results), measured once per CPU,
-    model and kernel build and kept beside the backend choice. ``"16x1"`` without AVX-512 (no choice there)."""
-    key = _choice_key(model, (WIDE_TILE_PROBE,)) + "-wide-tiles"
+def _tuned_switch(model: nn.Module, name: str, field: str, settings: dict, apply: Callable[[object], object],
+                  restore: object, tokens: tuple[int, ...], remeasure: bool = False):
+    """The value of one kernel switch (``settings``: label -> value, set by ``apply``) under which forwards of
+    ``tokens`` tokens over a 256-token cache cost least in total (best of five, interleaved; every value gives the
+    same results), measured once per CPU, model and kernel build and kept beside the backend choice under key suffix
+    ``-name`` and entry ``field``. Each forward streams the whole model, so the weights arrive from memory as in
+    decoding. The switch is left at ``restore`` after measuring, whatever happened."""
+    key = _choice_key(model, tokens) + f"-{name}"
     entry = _recorded_choice(key, remeasure)
-    if entry is not None and entry.get("tiles") in skinny.WIDE_TILES:
-        return entry["tiles"]
+    if entry is not None and any(type(entry.get(field)) is type(v) and entry[field] == v for v in settings.values()):
+        return entry[field]
+    try:
+        curves = time_forwards(model, {label: lambda v=value: apply(v) for label, value in settings.items()}, tokens,
+                               rounds=5)
+    finally:
+        apply(restore)
+    total = {label: sum(curve.values()) for label, curve in curves.items()}
+    chosen = settings[min(total, key=total.__getitem__)]
+    _record_choice(key, {field: chosen, **cpu_signature(), "tokens": list(tokens),
+                         "ms": {label: {str(n): round(1000 * t, 3) for n, t in curve.items()}
+                                for label, curve in curves.items()}})
+    return chosen
+
+
+def _wide_tiles(model: nn.Module, remeasure: bool = False) -> str:
+    """The tile shape (``skinny.WIDE_TILES``) under which a ``WIDE_TILE_PROBE``-token forward of ``model`` ran
+    faster (``_tuned_switch``). ``"16x1"`` without AVX-512 (no choice there)."""
     if skinny.set_wide_tiles("12x2") != "12x2":
         return "16x1"
-    shapes = {plan: lambda plan=plan: skinny.set_wide_tiles(plan) for plan in skinny.WIDE_TILES}
-    try:
-        curves = time_forwards(model, shapes, (WIDE_TILE_PROBE,), rounds=5)
-    finally:
-        skinny.set_wide_tiles("16x1")
-    best = {plan: curve[WIDE_TILE_PROBE] for plan, curve in curves.items()}
-    chosen = min(best, key=best.__getitem__)
-    _record_choice(key, {"tiles": chosen, **cpu_signature(), "tokens": WIDE_TILE_PROBE,
-                         "ms": {plan: round(1000 * t, 3) for plan, t in best.items()}})
-    return chosen
+    skinny.set_wide_tiles("16x1")
+    return _tuned_switch(model, "wide-tiles", "tiles", {plan: plan for plan in skinny.WIDE_TILES},
+                         skinny.set_wide_tiles, "16x1", (WIDE_TILE_PROBE,), remeasure)
 
 
 #: the forwards ``auto`` times small tiles' prefetch at: a plain step and a 2-token tree (1-2 rows run as 1- and
@@ -556,24 +568,9 @@ SMALL_PREFETCH_PROBE = (1, 2)
 
 def _small_prefetch(model: nn.Module, remeasure: bool = False) -> bool:
     """Whether tiles of 1-4 rows software-prefetch here (``skinny.set_small_prefetch``): the setting under which
-    forwards of ``SMALL_PREFETCH_PROBE`` tokens over a 256-token cache cost less in total (best of five, interleaved;
-    the two give the same results), measured once per CPU, model and kernel build and kept beside the backend
-    choice. Each forward streams the whole model, so the weights arrive from memory as in decoding."""
-    key = _choice_key(model, SMALL_PREFETCH_PROBE) + "-small-prefetch"
-    entry = _recorded_choice(key, remeasure)
-    if entry is not None and isinstance(entry.get("prefetch"), bool):
-        return entry["prefetch"]
-    settings = {name: lambda on=on: skinny.set_small_prefetch(on) for name, on in (("off", False), ("on", True))}
-    try:
-        curves = time_forwards(model, settings, SMALL_PREFETCH_PROBE, rounds=5)
-    finally:
-        skinny.set_small_prefetch(skinny.SMALL_PREFETCH_DEFAULT)
-    total = {name: sum(curve.values()) for name, curve in curves.items()}
-    chosen = total["on"] < total["off"]
-    _record_choice(key, {"prefetch": chosen, **cpu_signature(), "tokens": list(SMALL_PREFETCH_PROBE),
-                         "ms": {name: {str(n): round(1000 * t, 3) for n, t in curve.items()}
-                                for name, curve in curves.items()}})
-    return chosen
+    forwards of ``SMALL_PREFETCH_PROBE`` tokens cost less in total (``_tuned_switch``)."""
+    return _tuned_switch(model, "small-prefetch", "prefetch", {"off": False, "on": True}, skinny.set_small_prefetch,
+                         skinny.SMALL_PREFETCH_DEFAULT, SMALL_PREFETCH_PROBE, remeasure)
 
 
 #: the batch ``batch_backend`` times (rows, tokens): a training batch's shape, thousands of rows per linear
