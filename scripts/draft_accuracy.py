@@ -23,10 +23,13 @@ from pathlib import Path
 import torch
 
 from eagle.model import from_pretrained
+from selfspec.runtime.kernels import set_linear_backend
 from selfspec.runtime.models import load_model
 from selfspec.runtime.prompts import encode_prompt, read_prompts
 
 TOP_K = (1, 2, 4, 8)
+#: bins of the base's own probability of the token a first draft must guess (``score``'s ``by_confidence``)
+CONFIDENCE_BINS = (0.0, 0.5, 0.8, 0.95, 1.0)
 
 
 def greedy_answers(model, tokenizer, prompts: list[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
@@ -54,6 +57,9 @@ def score(model, draft, answers: list[tuple[torch.Tensor, int]], *, depths: int,
     topk_hits = torch.zeros(len(TOP_K))
     targets = torch.zeros(depths)
     in_vocab = answered = 0
+    bins = torch.tensor(CONFIDENCE_BINS)
+    bin_hits = torch.zeros(len(bins) - 1)
+    bin_count = torch.zeros(len(bins) - 1)
     chain = []  # per answer: mean accepted drafts of a teacher-forced chain from each answer position
     for full, start in answers:
         answer = full[0, start:]
@@ -61,7 +67,8 @@ def score(model, draft, answers: list[tuple[torch.Tensor, int]], *, depths: int,
             continue
         in_vocab += int(torch.isin(answer, vocab).sum())
         answered += answer.numel()
-        hidden = model(full, output_hidden_states=True).hidden_states
+        base_out = model(full, output_hidden_states=True)
+        hidden = base_out.hidden_states
         outputs = draft.unroll([hidden[i] for i in draft.config.aux_layers], full, torch.ones_like(full), depths)
         correct = []
         for j, out in enumerate(outputs):
@@ -74,6 +81,13 @@ def score(model, draft, answers: list[tuple[torch.Tensor, int]], *, depths: int,
             targets[j] += ok.numel()
             correct.append(ok)
             if j == 0:
+                # how sure the base itself was of that token (position t + 1 predicts s_{t+2}): a first draft
+                # must guess what the base decides with all its layers, hardest where the base barely decides
+                probs = torch.softmax(base_out.logits[0, start:full.shape[1] - 1].float(), dim=-1)
+                sure = probs.gather(-1, target[:, None])[:, 0]
+                which = (torch.bucketize(sure, bins[1:-1], right=True)).clamp_max(len(bins) - 2)
+                bin_count += torch.bincount(which, minlength=len(bins) - 1).float()
+                bin_hits += torch.bincount(which, weights=ok.float(), minlength=len(bins) - 1)
                 ranked = vocab[logits.topk(min(max(TOP_K), len(vocab)), dim=-1).indices]
                 for i, k in enumerate(TOP_K):
                     topk_hits[i] += (ranked[:, :k] == target[:, None]).any(-1).sum()
@@ -89,6 +103,10 @@ def score(model, draft, answers: list[tuple[torch.Tensor, int]], *, depths: int,
             "top1_per_depth": (hits / targets.clamp_min(1)).tolist(),
             "depth1_topk": {k: float(topk_hits[i] / targets[0].clamp_min(1)) for i, k in enumerate(TOP_K)},
             "in_draft_vocab": in_vocab / max(answered, 1),
+            # per bin of the base's probability of the first draft's target: share of positions, top-1 accuracy
+            "by_confidence": [{"base_prob": [CONFIDENCE_BINS[i], CONFIDENCE_BINS[i + 1]],
+                               "share": float(bin_count[i] / bin_count.sum().clamp_min(1)),
+                               "top1": float(bin_hits[i] / bin_count[i].clamp_min(1))} for i in range(len(bins) - 1)],
             "chain_accepted": sum(chain) / max(len(chain), 1)}
 
 
@@ -105,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-vocab", action="store_true",
                         help="also score ranking the whole vocabulary with the shared LM head")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--linear-backend", default="auto", choices=("auto", "stock", "skinny"),
+                        help="kernels the answers are generated on (auto: what selfspec bench decodes on, and ~6x "
+                        "faster than stock on a CPU); scoring runs on stock")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
@@ -114,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--full-vocab needs a drafter that shares the base's LM head (share_lm_head)")
     results = {}
     for path in args.prompts:
+        set_linear_backend(model, args.linear_backend)
         answers = greedy_answers(model, tokenizer, read_prompts(path, args.limit), args.max_new_tokens)
+        set_linear_backend(model, "stock")
         for full in (False, True) if args.full_vocab else (False,):
             results[f"{path} (full vocabulary)" if full else path] = score(model, draft, answers, depths=args.depths,
                                                                             full_vocab=full)
@@ -126,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {Path(path).name} ({r['answers']}, {r['answer_tokens']} tok) | {cells} | "
               f"{r['depth1_topk'][2]:.3f} | {r['depth1_topk'][4]:.3f} | {r['in_draft_vocab']:.3f} | "
               f"{r['chain_accepted']:.2f} |")
+    print("\nfirst-draft top-1 by how likely the base itself found that token (share of positions: top-1)")
+    print("| prompts | " + " | ".join(f"base p {a:g}-{b:g}" for a, b in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:])) + " |")
+    print("|---|" + "---:|" * (len(CONFIDENCE_BINS) - 1))
+    for path, r in results.items():
+        cells = " | ".join(f"{b['share']:.2f}: {b['top1']:.2f}" for b in r["by_confidence"])
+        print(f"| {Path(path).name} | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"heads": args.heads, "max_new_tokens": args.max_new_tokens,
                                                "results": results}, indent=2))

@@ -80,3 +80,27 @@ def test_scores_equal_a_decode_time_recount(script):
     expected_in_vocab = torch.isin(full[0, start:], draft.draft_vocab).float().mean().item()
     assert result["in_draft_vocab"] == pytest.approx(expected_in_vocab)
     assert script.score(model, draft, [(full, start)], depths=depths, full_vocab=True)["in_draft_vocab"] == 1.0
+
+
+def test_first_drafts_are_scored_by_how_sure_the_base_was(script, monkeypatch):
+    """``by_confidence`` splits the first drafts by the base's own probability of their target: every position lands
+    in one bin (the shares add up to 1, the bins' hits to the overall depth-1 top-1), and each position's bin is the
+    one its probability, recomputed here from the base's logits, falls in."""
+    model = tiny_model("llama")
+    draft = eagle_draft(model, seed=4, draft_vocab_size=64).eval()
+    prompt = random_prompt(6, seed=3)
+    full = half_drafted(model, draft, prompt, 30)
+    start = prompt.shape[1]
+    with torch.no_grad():
+        probs = torch.softmax(model(full).logits[0, start:-1], -1).gather(-1, full[0, start + 1:, None])[:, 0]
+    # a random tiny base is never sure: bins at its probabilities' terciles, so that every bin holds positions
+    low, high = (round(float(q), 6) for q in probs.quantile(torch.tensor([1 / 3, 2 / 3])))
+    edges = (0.0, low, high, 1.0)
+    monkeypatch.setattr(script, "CONFIDENCE_BINS", edges)
+    result = script.score(model, draft, [(full, start)], depths=2)
+    bins = result["by_confidence"]
+    assert [b["base_prob"] for b in bins] == [list(p) for p in zip(edges, edges[1:])]
+    assert sum(b["share"] for b in bins) == pytest.approx(1.0)
+    assert sum(b["share"] * b["top1"] for b in bins) == pytest.approx(result["top1_per_depth"][0])
+    counts = [int(((probs >= a) & ((probs < b) if b < 1 else (probs <= b))).sum()) for a, b in zip(edges, edges[1:])]
+    assert [round(b["share"] * len(probs)) for b in bins] == counts and min(counts) > 0
