@@ -567,8 +567,11 @@ def test_eagle3_export_refuses_what_sglangs_llama_layer_cannot_hold(llama, tmp_p
     with pytest.raises(ValueError, match=r"tensors \['fc_norm.0.weight'\] that the plain EAGLE-3 layer does not"):
         import_eagle3(tmp_path / "ok", llama)
     save_file(original, str(weights))
-    with pytest.raises(ValueError, match="does not fit this base model"):  # a base of another MLP width
-        import_eagle3(tmp_path / "ok", tiny_model("llama", intermediate_size=48))
+    with pytest.raises(ValueError, match="does not fit this base model"):  # a base of another hidden size
+        import_eagle3(tmp_path / "ok", tiny_model("llama", hidden_size=48))
+    # a base of another MLP width takes it at the draft layer's own width (read off the weights)
+    other = import_eagle3(tmp_path / "ok", tiny_model("llama", intermediate_size=48))
+    assert other.config.intermediate_size == llama.config.intermediate_size == other.layer.mlp.down_proj.in_features
 
 
 def test_export_command_writes_the_speculators_directory(tmp_path, capsys):
