@@ -70,6 +70,12 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return tuple(sorted({max(1, min(num_layers, i)) for i in (low, mid, high)}))  # type: ignore[return-value]
 
 
+def check_size(value, name: str, null: str = "") -> None:
+    """Raises: ValueError: ``value`` is neither None nor an integer >= 1 (``null`` says what None stands for)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1 or null{null}, got {value!r}")
+
+
 @dataclasses.dataclass
 class EagleConfig:
     """What a saved drafter is: shapes, the base layers it reads, its vocabulary and how it was made."""
@@ -101,11 +107,7 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"eagle config: draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
                              f"{self.vocab_size}]")
-        if self.intermediate_size is not None and (isinstance(self.intermediate_size, bool)
-                                                   or not isinstance(self.intermediate_size, int)
-                                                   or self.intermediate_size < 1):
-            raise ValueError(f"eagle config: intermediate_size must be an integer >= 1 or null (the base's), got "
-                             f"{self.intermediate_size!r}")
+        check_size(self.intermediate_size, "eagle config: intermediate_size", " (the base's)")
         by_machine.check_entries(self.decoding_by_machine, "eagle config: decoding_by_machine")
 
     def policy_for(self, machine: str) -> tuple[dict, str]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from eagle.model import EagleConfig, EagleDraftModel, default_aux_layers, from_pretrained, save_pretrained
+from eagle.model import EagleConfig, EagleDraftModel, check_size, default_aux_layers, from_pretrained, save_pretrained
 from selfspec import training as T
 from selfspec.runtime.identity import base_model_identity
 from selfspec.runtime.layers import num_decoder_layers
@@ -38,15 +38,8 @@ class DraftConfig:
     intermediate_size: int | None = None
 
     def __post_init__(self):
-        if self.intermediate_size is not None and (isinstance(self.intermediate_size, bool)
-                                                   or not isinstance(self.intermediate_size, int)
-                                                   or self.intermediate_size < 1):
-            raise ValueError(f"draft.intermediate_size must be an integer >= 1 or null (the base's), got "
-                             f"{self.intermediate_size!r}")
-        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool)
-                                                  or not isinstance(self.draft_vocab_size, int)
-                                                  or self.draft_vocab_size < 1):
-            raise ValueError(f"draft.draft_vocab_size must be an integer >= 1 or null, got {self.draft_vocab_size!r}")
+        check_size(self.intermediate_size, "draft.intermediate_size", " (the base's)")
+        check_size(self.draft_vocab_size, "draft.draft_vocab_size")
 
 
 @dataclasses.dataclass

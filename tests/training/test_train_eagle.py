@@ -309,6 +309,15 @@ def test_a_resume_on_changed_data_keeps_the_checkpoints_draft_vocabulary_and_wha
                                torch.softmax(torch.nn.functional.linear(last, head).float(), -1)[:, saved])
 
 
+def assert_same_loss(saved: eagle_recipe.EagleRecipe, started: eagle_recipe.EagleRecipe) -> None:
+    """A run started from ``saved``'s drafter computes, before its first step, the loss ``saved`` does on the same
+    batch."""
+    batch = saved.make_batch([0, 1])
+    before, _ = saved.loss(batch, saved.counts(batch))
+    after, _ = started.loss(batch, started.counts(batch))
+    assert float(after.detach()) == pytest.approx(float(before.detach()), rel=1e-5)
+
+
 def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path, capsys):
     """Started from a saved drafter (another data mix, different frequent tokens), a run keeps its layers, draft
     vocabulary and weights: with lr 0 it saves the same drafter, and training goes on from its loss. The trees it
@@ -328,10 +337,7 @@ def test_init_from_starts_where_a_saved_drafter_stopped(tmp_path, capsys):
                    "data.eval_samples=2", "optim.max_steps=1", "optim.lr=0", "logging.log_every=1", "loss=hard",
                    f"init_from={saved}", "draft.aux_layers=[1]"])
     assert again.aux_layers == first.aux_layers and torch.equal(again.model.draft_vocab, first.model.draft_vocab)
-    batch = first.make_batch([0, 1])
-    before, _ = first.loss(batch, first.counts(batch))
-    after, _ = again.loss(batch, again.counts(batch))
-    assert float(after.detach()) == pytest.approx(float(before.detach()), rel=1e-5)
+    assert_same_loss(first, again)
     again.train()
     again.save_heads(again.evaluate())
     a, b = (load_file(str(d / "model.safetensors")) for d in (saved, tmp_path / "again" / "heads"))
@@ -466,10 +472,7 @@ def test_init_from_grows_the_mlp_without_changing_what_the_drafter_computes(tmp_
     assert mlp.down_proj.in_features == mlp.gate_proj.out_features == 3 * narrow
     assert torch.count_nonzero(mlp.down_proj.weight[:, narrow:]) == 0
     assert torch.count_nonzero(mlp.gate_proj.weight[narrow:]) > 0  # the new units' inputs are initialised
-    batch = first.make_batch([0, 1])
-    before, _ = first.loss(batch, first.counts(batch))
-    after, _ = wide.loss(batch, wide.counts(batch))
-    assert float(after.detach()) == pytest.approx(float(before.detach()), rel=1e-5)
+    assert_same_loss(first, wide)
     wide.train()
     wide.save_heads(wide.evaluate())
     grown = from_pretrained(tmp_path / "wide" / "heads", first.base)
